@@ -1,0 +1,7 @@
+"""KVGuard's engine side: KV block checksums computed by the workers, and their
+verification by the scheduler when a KV load finishes.
+
+Runs with or without vLLM: the scheduler and worker take small protocols
+(:mod:`engine_patch.host`) that vLLM's own objects, the fake engine's and the
+tests' all satisfy. Nothing here knows HTTP.
+"""

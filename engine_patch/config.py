@@ -1,0 +1,20 @@
+"""Configuration of KV checksums in an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVChecksumConfig:
+    """KV checksum settings of one engine instance.
+
+    ``fail_closed``: a mismatched or unverified load fails (the host handles
+    it by its KV load failure policy); fail-open logs and counts it and lets
+    the request go on.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    enabled: bool = True
+    fail_closed: bool = False

@@ -1,0 +1,98 @@
+"""The host's KV cache layout as the checksum scheduler sees it: groups of
+layers sharing one block table, and their specs.
+
+The vLLM adapter builds these from vLLM's ``KVCacheConfig``; the fake engine
+and tests build them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(a // -b)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Attention layers holding KV for every token of the request."""
+
+    block_size: int
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    """Attention layers holding KV only for the last ``sliding_window`` tokens."""
+
+    block_size: int
+    sliding_window: int
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """State-space layers: one running state per request, not KV per token.
+
+    ``state_splits`` names how TP shards the state (``None``: unknown, so a
+    rank's share depends on the TP size); ``tp_replicated`` states that every
+    rank holds the whole state.
+    """
+
+    block_size: int
+    num_speculative_blocks: int = 0
+    state_splits: tuple[int, ...] | None = None
+    tp_replicated: bool = False
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers sharing one block table."""
+
+    kv_cache_spec: KVCacheSpec
+    layer_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The engine's KV cache groups.
+
+    ``transfer_group_ids`` are the groups P/D and offloading connectors move
+    (and so the ones checksummed); ``hash_block_size`` is the token span of
+    one entry of ``Request.block_hashes`` (``None``: the group's block size).
+    """
+
+    kv_cache_groups: Sequence[KVCacheGroup]
+    transfer_group_ids: tuple[int, ...] = field(default=())
+    hash_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.transfer_group_ids:
+            object.__setattr__(
+                self, "transfer_group_ids", tuple(range(len(self.kv_cache_groups)))
+            )
+
+
+def sliding_window_transfer_blocks(spec: KVCacheSpec) -> int:
+    """How many of a request's last blocks P/D connectors transfer for a
+    sliding-window group; 0 for other groups (all blocks).
+
+    A token attends to the ``sliding_window - 1`` tokens before it, which
+    span at most ``cdiv(sliding_window - 1, block_size) + 1`` blocks.
+    """
+    if not isinstance(spec, SlidingWindowSpec):
+        return 0
+    return cdiv(spec.sliding_window - 1, spec.block_size) + 1
+
+
+def clip_ssm_state_blocks(
+    block_ids: Sequence[int], num_speculative_blocks: int
+) -> list[int]:
+    """The running-state block of a Mamba group's non-null blocks: the last
+    one before the speculative-decoding blocks."""
+    end = max(1, len(block_ids) - num_speculative_blocks)
+    return list(block_ids[end - 1 : end])

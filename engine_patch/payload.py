@@ -1,0 +1,100 @@
+"""The producer's checksums of one request, as sent to its consumer: msgpack
+(msgspec) bytes, base64 in ``kv_transfer_params["kv_checksums"]``."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+# The kv_transfer_params key carrying the base64 payload.
+KV_TRANSFER_PARAMS_KEY = "kv_checksums"
+
+# Version 1: the checksum of checksum.md.
+_PAYLOAD_VERSION = 1
+
+_MsgType = tuple[int, int, int, list[tuple[int, int, int, int, memoryview]]]
+
+
+@dataclass
+class KVChecksumPayload:
+    """A producer's checksums of one request, as sent to its consumer."""
+
+    # The producer's TP size.
+    tp_size: int
+    # Tokens whose KV the checksummed blocks hold.
+    num_tokens: int
+    # Per KV cache group id: its fingerprint (``KVChecksumRecord.fingerprints``),
+    # block size, first block position, and one uint64 checksum per position.
+    groups: dict[int, tuple[int, int, int, np.ndarray]]
+
+    def to_bytes(self) -> bytes:
+        groups = [
+            (
+                group_id,
+                fingerprint,
+                block_size,
+                start,
+                # Encoded straight from the array's memory.
+                np.ascontiguousarray(values, dtype="<u8").data,
+            )
+            for group_id, (fingerprint, block_size, start, values) in (
+                self.groups.items()
+            )
+        ]
+        return msgspec.msgpack.encode(
+            (_PAYLOAD_VERSION, self.tp_size, self.num_tokens, groups)
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVChecksumPayload:
+        """Decode a payload; its checksums are views of ``data``.
+
+        Raises:
+            ValueError: If ``data`` is not a payload of this version.
+
+        """
+        try:
+            version, tp_size, num_tokens, groups = msgspec.msgpack.decode(
+                data, type=_MsgType
+            )
+            if version != _PAYLOAD_VERSION:
+                raise ValueError(f"unsupported version {version}")
+            if tp_size < 1 or num_tokens < 0:
+                raise ValueError(f"bad TP size {tp_size} or token count {num_tokens}")
+            for group_id, fingerprint, block_size, start, _ in groups:
+                if block_size < 1 or start < 0 or not 0 <= fingerprint < 2**64:
+                    raise ValueError(f"bad group {group_id}")
+            return cls(
+                tp_size,
+                num_tokens,
+                {
+                    group_id: (
+                        fingerprint,
+                        block_size,
+                        start,
+                        np.frombuffer(values, dtype="<u8"),
+                    )
+                    for group_id, fingerprint, block_size, start, values in groups
+                },
+            )
+        except ValueError as e:  # Includes msgspec's decode errors.
+            raise ValueError(f"invalid KV checksums: {e}") from e
+
+    def to_base64(self) -> str:
+        """The payload as it goes into ``kv_transfer_params``."""
+        return base64.b64encode(self.to_bytes()).decode("ascii")
+
+
+def decode_base64(encoded: object) -> bytes:
+    """The bytes of a ``kv_transfer_params`` payload; ``b""`` (not a payload
+    either) if it is not base64 text."""
+    if not isinstance(encoded, str):
+        return b""
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (ValueError, binascii.Error):
+        return b""
