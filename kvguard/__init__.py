@@ -1,0 +1,1 @@
+"""The ``kvguard`` command: one console script, one subcommand per tool."""
