@@ -1,0 +1,188 @@
+"""The admin API (admin key required): list, add, remove, drain, undrain, reload.
+
+    GET    /admin/instances
+    POST   /admin/instances           {"role", "url", "model"?, "weight"?,
+                                       "api_key_env"?}
+    DELETE /admin/instances           {"url", "role"?, "model"?}
+    POST   /admin/instances/drain     {"url", "role"?, "model"?}
+    POST   /admin/instances/undrain   {"url", "role"?, "model"?}
+    POST   /admin/reload              re-read the configuration file (as SIGHUP)
+
+Changes made here live until the next reload, which restores the file's pools.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+from aiohttp import web
+
+from proxy.auth import bearer
+from proxy.config import ConfigError, normalize_url, read_secret
+from proxy.errors import error_response
+from proxy.instances import Instance, Pool
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyState
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _Select(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: Literal["prefill", "decode"] | None = None
+    model: str | None = None
+
+
+class _Add(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["prefill", "decode"]
+    url: str
+    model: str | None = None
+    weight: float = 1.0
+    api_key_env: str | None = None
+
+
+class _Invalid(Exception):
+    pass
+
+
+def add_admin_routes(app: web.Application, key: web.AppKey[ProxyState]) -> None:
+    """Registers the admin endpoints on ``app``; ``key`` finds the ProxyState."""
+
+    def guarded(
+        handler: Callable[[ProxyState, web.Request], Awaitable[web.Response]],
+    ) -> Handler:
+        async def wrapper(request: web.Request) -> web.StreamResponse:
+            state = request.app[key]
+            if not state.auth.admin.required:
+                return error_response(
+                    403,
+                    "The admin API is disabled: configure auth.admin_key_env or _file",
+                )
+            if not state.auth.admin.accepts(bearer(request.headers)):
+                return error_response(401, "Invalid or missing admin key")
+            try:
+                return await handler(state, request)
+            except _Invalid as exc:
+                return error_response(400, str(exc))
+
+        return wrapper
+
+    app.router.add_get("/admin/instances", guarded(_list))
+    app.router.add_post("/admin/instances", guarded(_add))
+    app.router.add_delete("/admin/instances", guarded(_remove))
+    app.router.add_post("/admin/instances/drain", guarded(_drain))
+    app.router.add_post("/admin/instances/undrain", guarded(_undrain))
+    app.router.add_post("/admin/reload", guarded(_reload))
+
+
+async def _body(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    raw = await request.read()
+    if not raw and request.query:
+        raw = msgspec.json.encode(dict(request.query))
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _Invalid(f"bad request body: {exc}") from None
+
+
+def _listing(state: ProxyState) -> web.Response:
+    now = time.monotonic()
+    return web.json_response(
+        {"instances": [i.describe(now) for i in state.all_instances()]}
+    )
+
+
+async def _list(state: ProxyState, request: web.Request) -> web.Response:
+    return _listing(state)
+
+
+async def _selected(state: ProxyState, request: web.Request) -> list[Instance]:
+    sel = await _body(request, _Select)
+    assert isinstance(sel, _Select)
+    try:
+        url = normalize_url(sel.url)
+    except ValueError as exc:
+        raise _Invalid(f"url {exc}") from None
+    found = state.find(url, sel.role, sel.model)
+    if not found:
+        raise _Invalid(
+            f"no instance matches url={url} role={sel.role} model={sel.model}"
+        )
+    return found
+
+
+async def _drain(state: ProxyState, request: web.Request) -> web.Response:
+    for inst in await _selected(state, request):
+        inst.drained = True
+    return _listing(state)
+
+
+async def _undrain(state: ProxyState, request: web.Request) -> web.Response:
+    for inst in await _selected(state, request):
+        inst.drained = False
+    return _listing(state)
+
+
+async def _remove(state: ProxyState, request: web.Request) -> web.Response:
+    gone = set(await _selected(state, request))
+    for pools in state.models.values():
+        for pool in (pools.prefill, pools.decode):
+            left = [i for i in pool.instances if i not in gone]
+            if not left and len(left) != len(pool.instances):
+                raise _Invalid(
+                    f"cannot remove the last {pool.role} instance of a model"
+                )
+    for pools in state.models.values():
+        for pool in (pools.prefill, pools.decode):
+            pool.instances = [i for i in pool.instances if i not in gone]
+    for inst in gone:
+        inst.removed = True
+        state.tracker.forget(inst)
+    return _listing(state)
+
+
+async def _add(state: ProxyState, request: web.Request) -> web.Response:
+    spec = await _body(request, _Add)
+    assert isinstance(spec, _Add)
+    try:
+        url = normalize_url(spec.url)
+    except ValueError as exc:
+        raise _Invalid(f"url {exc}") from None
+    if spec.weight <= 0:
+        raise _Invalid("weight must be > 0")
+    model = spec.model
+    if model is None:
+        if len(state.models) != 1:
+            raise _Invalid("model is required when several models are configured")
+        model = next(iter(state.models))
+    pools = state.models.get(model)
+    if pools is None:
+        raise _Invalid(f"model {model!r} is not configured")
+    pool: Pool = pools.pool(spec.role)
+    if any(i.url == url for i in pool.instances):
+        raise _Invalid(f"{spec.role} {url} is already in model {model!r}")
+    try:
+        keys = read_secret(spec.api_key_env, None, f"{url} api key")
+    except ConfigError as exc:
+        raise _Invalid(str(exc)) from None
+    inst = Instance(
+        url, spec.role, model, spec.weight, keys[0] if keys else state.auth.backend_key
+    )
+    pool.instances = [*pool.instances, inst]
+    return _listing(state)
+
+
+async def _reload(state: ProxyState, request: web.Request) -> web.Response:
+    if state.source is None:
+        return error_response(
+            409, "The proxy was started without --config: nothing to reload"
+        )
+    if not await state.reload():
+        return error_response(
+            422, "Reload failed; the running configuration is kept (see log)"
+        )
+    return _listing(state)

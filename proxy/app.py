@@ -1,0 +1,328 @@
+"""The proxy application: shared state, the small endpoints, and wiring.
+
+ProxyState holds what outlives one request: the configuration, the pools,
+the one pooled ClientSession, the integrity tracker and metrics. A reload
+swaps configuration and pools in place; requests in flight keep the
+Instance objects they picked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.admin import add_admin_routes
+from proxy.auth import Auth, bearer
+from proxy.config import ANY_MODEL, ConfigError, ProxyConfig, load_config, read_secret
+from proxy.ejection import Ejection, IntegrityTracker
+from proxy.errors import error_response
+from proxy.flow import Flow
+from proxy.health import Health
+from proxy.instances import Instance, ModelPools, Pool
+from proxy.metrics import ProxyMetrics
+from proxy.routing import Router
+
+log = logging.getLogger("kvguard.proxy")
+
+_encode_json = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
+
+
+class ProxyState:
+    """Everything the handlers share; one per application."""
+
+    def __init__(self, config: ProxyConfig, source: str | None = None) -> None:
+        self.source = source
+        self.models: dict[str, ModelPools] = {}
+        self.metrics = ProxyMetrics(self.all_instances)
+        self.tracker = IntegrityTracker(config.ejection)
+        self.router = Router(self.tracker)
+        self.health = Health(self)
+        self.in_flight = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self.config = config
+        self.apply(config)
+
+    # ------------------------------------------------------------ configuration
+
+    def apply(self, config: ProxyConfig) -> None:
+        """Makes ``config`` current, keeping the state of instances it still lists.
+
+        Raises:
+            ConfigError: a key named in ``auth`` or an instance cannot be read;
+                nothing changes then.
+        """
+        auth = Auth.from_config(config.auth)
+        models: dict[str, ModelPools] = {}
+        old = {(i.model, i.role, i.url): i for i in self.all_instances()}
+        kept: set[Instance] = set()
+        for name, model in config.models.items():
+            pools = []
+            for role, pool_cfg in (
+                ("prefill", model.prefill),
+                ("decode", model.decode),
+            ):
+                instances = []
+                for inst_cfg in pool_cfg.instances:
+                    key = (
+                        read_secret(
+                            inst_cfg.api_key_env,
+                            inst_cfg.api_key_file,
+                            f"{inst_cfg.url} api key",
+                        )
+                        or [auth.backend_key]
+                    )[0]
+                    inst = old.get((name, role, inst_cfg.url))
+                    if inst is None:
+                        inst = Instance(inst_cfg.url, role, name, inst_cfg.weight, key)  # type: ignore[arg-type]
+                    else:
+                        inst.weight = inst_cfg.weight
+                        inst.set_api_key(key)
+                        kept.add(inst)
+                    instances.append(inst)
+                pools.append(Pool(role, pool_cfg.policy, instances))  # type: ignore[arg-type]
+            models[name] = ModelPools(pools[0], pools[1])
+        for inst in old.values():
+            if inst not in kept:
+                inst.removed = True
+                self.tracker.forget(inst)
+        self.config = config
+        self.auth = auth
+        self.models = models
+        self.tracker.config = config.ejection
+        t = config.timeouts
+        self.prefill_timeout = aiohttp.ClientTimeout(
+            total=t.prefill_s, sock_connect=t.connect_s
+        )
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=t.connect_s
+        )
+        level = getattr(logging, config.logging.level.upper())
+        logging.getLogger("kvguard.proxy").setLevel(level)
+
+    async def reload(self) -> bool:
+        """Re-reads the configuration file; keeps the old one on error."""
+        if self.source is None:
+            log.warning("reload requested, but the proxy was started without --config")
+            return False
+        try:
+            config = await asyncio.to_thread(load_config, self.source)
+            old_server = self.config.server
+            self.apply(config.model_copy(update={"server": old_server}))
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running configuration:\n%s", exc)
+            return False
+        if config.server != old_server:
+            log.warning("server.host/port changes need a restart; ignored on reload")
+        log.warning("configuration reloaded from %s", self.source)
+        return True
+
+    def pools_for(self, model: str | None) -> ModelPools | None:
+        """The pools serving ``model``; with no model named, the only one configured."""
+        if model is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            return self.models.get(ANY_MODEL)
+        return self.models.get(model) or self.models.get(ANY_MODEL)
+
+    def all_instances(self) -> Iterator[Instance]:
+        for pools in self.models.values():
+            yield from pools.prefill.instances
+            yield from pools.decode.instances
+
+    def find(
+        self, url: str, role: str | None = None, model: str | None = None
+    ) -> list[Instance]:
+        return [
+            i
+            for i in self.all_instances()
+            if i.url == url
+            and (role is None or i.role == role)
+            and (model is None or i.model == model)
+        ]
+
+    # ---------------------------------------------------------- running parts
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy's client session is not started")
+        return self._session
+
+    async def start(self, app: web.Application | None = None) -> None:
+        """Opens the pooled session and starts health checks."""
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            skip_auto_headers=("User-Agent",),
+        )
+        self._health_task = asyncio.create_task(self.health.run())
+
+    async def stop(self, app: web.Application | None = None) -> None:
+        """Stops health checks, lets background aborts finish, closes the session."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2)
+        if self._session is not None:
+            await self._session.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Runs ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def abort(self, inst: Instance, request_ids: list[str]) -> None:
+        """POST /inference/v1/abort_requests: frees a prefill's KV, stops a decode."""
+        try:
+            async with self.session.post(
+                inst.abort_url,
+                data=_encode_json({"request_ids": request_ids}),
+                headers={**inst.headers, "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(
+                    total=5, sock_connect=self.config.timeouts.connect_s
+                ),
+            ) as resp:
+                await resp.read()
+                if resp.status >= 300:
+                    log.debug("abort on %s answered %d", inst.url, resp.status)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.debug("abort on %s failed: %r", inst.url, exc)
+
+    def on_ejection(self, ejection: Ejection) -> None:
+        """Counts and logs an ejection decided by the integrity tracker."""
+        inst = ejection.instance
+        cooldown = self.config.ejection.cooldown_s
+        if ejection.partner is None:
+            self.metrics.ejections.labels(inst.role, inst.url, "instance").inc()
+            log.warning(
+                "%s %s ejected for %.0fs after %d KV integrity failures",
+                inst.role,
+                inst.url,
+                cooldown,
+                ejection.failures,
+            )
+        else:
+            partner = ejection.partner
+            self.metrics.ejections.labels(inst.role, inst.url, "pair").inc()
+            log.warning(
+                "pair prefill %s / decode %s ejected for %.0fs after %d KV integrity "
+                "failures",
+                inst.url,
+                partner.url,
+                cooldown,
+                ejection.failures,
+            )
+
+
+STATE = web.AppKey("kvguard_proxy_state", ProxyState)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 while every model has a usable prefill and decode instance."""
+    state = request.app[STATE]
+    problems = []
+    for name, pools in state.models.items():
+        for pool in (pools.prefill, pools.decode):
+            if not any(i.usable() for i in pool.instances):
+                problems.append(f"model {name}: no healthy {pool.role} instance")
+    if problems:
+        return web.json_response(
+            {"status": "unhealthy", "problems": problems}, status=503
+        )
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[STATE].metrics.registry
+    body = await asyncio.to_thread(generate_latest, registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _models(request: web.Request) -> web.Response:
+    """The union of the backends' /v1/models (configured names as a fallback)."""
+    state = request.app[STATE]
+    if state.auth.clients.required and not state.auth.clients.accepts(
+        bearer(request.headers)
+    ):
+        return error_response(401, "Invalid or missing API key")
+    by_url: dict[str, Instance] = {}
+    for inst in state.all_instances():
+        if inst.usable():
+            by_url.setdefault(inst.url, inst)
+
+    async def fetch(inst: Instance) -> list[dict[str, Any]]:
+        try:
+            async with state.session.get(
+                inst.url + "/v1/models",
+                headers=inst.headers,
+                timeout=aiohttp.ClientTimeout(total=state.config.health.timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return []
+                data = _decode_json(await resp.read())
+                entries = data.get("data") if isinstance(data, dict) else None
+                return [e for e in entries or [] if isinstance(e, dict) and "id" in e]
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+            return []
+
+    union: dict[str, dict[str, Any]] = {}
+    for entries in await asyncio.gather(*(fetch(i) for i in by_url.values())):
+        for entry in entries:
+            union.setdefault(str(entry["id"]), entry)
+    for name in state.models:
+        if name != ANY_MODEL and name not in union:
+            union[name] = {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "kvguard",
+            }
+    return web.Response(
+        body=_encode_json({"object": "list", "data": list(union.values())}),
+        content_type="application/json",
+    )
+
+
+def create_app(
+    config: ProxyConfig, source: str | Path | None = None
+) -> web.Application:
+    """The proxy's aiohttp application for ``config``.
+
+    ``source`` is the YAML file that SIGHUP and POST /admin/reload re-read.
+    Run it with ``handler_cancellation=True`` so that a client's disconnect
+    cancels both legs (``proxy.cli`` does).
+
+    Raises:
+        ConfigError: a key the configuration names cannot be read.
+    """
+    state = ProxyState(config, None if source is None else str(source))
+    # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
+    app = web.Application(client_max_size=1 << 40)
+    app[STATE] = state
+    flow = Flow(state)
+    app.router.add_post("/v1/completions", flow.completions)
+    app.router.add_post("/v1/chat/completions", flow.chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    add_admin_routes(app, STATE)
+    app.on_startup.append(state.start)
+    app.on_cleanup.append(state.stop)
+    return app

@@ -1,0 +1,61 @@
+"""Inbound API keys and the admin key, compared in constant time."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+
+from proxy.config import AuthConfig, ConfigError, read_secret
+
+
+def bearer(headers: Mapping[str, str]) -> bytes | None:
+    """The token of an ``Authorization: Bearer`` header, as bytes."""
+    value = headers.get("Authorization")
+    if value is None or value[:7].lower() != "bearer ":
+        return None
+    return value[7:].strip().encode()
+
+
+class Keys:
+    """A set of accepted keys; empty means no key is required."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self._keys = [k.encode() for k in keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def accepts(self, token: bytes | None) -> bool:
+        """True when ``token`` matches a key; every key is compared, no early exit."""
+        if token is None:
+            return False
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(key, token)
+        return ok
+
+
+class Auth:
+    """What the configuration's ``auth`` section resolves to at (re)load."""
+
+    def __init__(self, clients: Keys, admin: Keys, backend_key: str | None) -> None:
+        self.clients = clients
+        self.admin = admin
+        self.backend_key = backend_key
+
+    @classmethod
+    def from_config(cls, cfg: AuthConfig) -> Auth:
+        """Reads keys from the environment and files.
+
+        Raises:
+            ConfigError: a named variable is unset or a file is unreadable.
+        """
+        clients = read_secret(cfg.api_keys_env, cfg.api_keys_file, "auth.api_keys")
+        admin = read_secret(cfg.admin_key_env, cfg.admin_key_file, "auth.admin_key")
+        backend = read_secret(
+            cfg.backend_api_key_env, cfg.backend_api_key_file, "auth.backend_api_key"
+        )
+        if len(backend) > 1:
+            raise ConfigError("auth.backend_api_key: expected one key, found several")
+        return cls(Keys(clients), Keys(admin), backend[0] if backend else None)

@@ -1,0 +1,169 @@
+"""Client request bodies: the checks the flow needs, and the two legs' bodies.
+
+The decode leg gets the client's bytes verbatim with the prefill's
+``kv_transfer_params`` spliced in byte for byte; the prefill leg is the parsed
+body with only the fields wire.md names changed, so no field is ever added
+that the client did not send (beyond ``kv_transfer_params`` and the token caps).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+_decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
+
+KV_PARAMS = "kv_transfer_params"
+
+# What the proxy asks of the prefill (wire.md, "Proxy -> prefill").
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class Route(enum.Enum):
+    """The OpenAI endpoints the proxy disaggregates."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+    @property
+    def label(self) -> str:
+        return "completions" if self is Route.COMPLETIONS else "chat"
+
+
+class BadRequest(Exception):
+    """A body the proxy cannot route; becomes a 400 in OpenAI error JSON."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    """A checked client body.
+
+    ``raw`` is what the decode receives when the prefill returns no
+    ``kv_transfer_params``: the client's bytes, re-encoded only when the
+    client's own ``kv_transfer_params`` had to be dropped.
+    """
+
+    raw: bytes
+    obj: dict[str, Any]
+    model: str | None
+    stream: bool
+    dropped_kv_params: bool
+
+
+def parse_request(raw: bytes, route: Route) -> ClientRequest:
+    """Checks a client body for what the flow needs.
+
+    Raises:
+        BadRequest: not a JSON object, or a field the flow reads has the
+            wrong type or is missing.
+    """
+    try:
+        obj = _decode_json(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("Request body must be a JSON object")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    stream = obj.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    if route is Route.COMPLETIONS:
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise BadRequest("'prompt' is required: a string or a list", "prompt")
+    else:
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required: a non-empty list", "messages")
+    dropped = KV_PARAMS in obj
+    if dropped:
+        # A client must never aim a decode at a host of its choosing.
+        del obj[KV_PARAMS]
+        raw = _encode_json(obj)
+    return ClientRequest(raw, obj, model, stream, dropped)
+
+
+def prefill_body(req: ClientRequest) -> bytes:
+    """The prefill leg's body: one token, no stream, ask for remote decode."""
+    obj = dict(req.obj)
+    obj["stream"] = False
+    obj["max_tokens"] = 1
+    if "max_completion_tokens" in obj:
+        obj["max_completion_tokens"] = 1
+    for name in ("stream_options", "min_tokens", "min_completion_tokens"):
+        obj.pop(name, None)
+    obj[KV_PARAMS] = PREFILL_KV_PARAMS
+    return _encode_json(obj)
+
+
+def decode_body(req: ClientRequest, kv_params: bytes | None) -> bytes:
+    """The decode leg's body: the client's bytes plus the prefill's params verbatim.
+
+    ``kv_params`` is the raw JSON value the prefill returned; ``None`` (no
+    params) sends the client's body unchanged, so the decode prefills locally.
+    """
+    if kv_params is None:
+        return req.raw
+    head = req.raw.rstrip()
+    # parse_request guarantees a non-empty object, so a comma is always right.
+    return b"".join((head[:-1], b',"kv_transfer_params":', kv_params, b"}"))
+
+
+class _PrefillReply(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_decode_reply = msgspec.json.Decoder(_PrefillReply).decode
+
+
+def kv_params_of(reply: bytes) -> bytes | None:
+    """The raw ``kv_transfer_params`` value of a prefill's reply, or None.
+
+    Raises:
+        msgspec.DecodeError: the reply is not a JSON object.
+    """
+    raw = bytes(_decode_reply(reply).kv_transfer_params)
+    return None if raw == b"null" else raw
+
+
+class _KvIds(msgspec.Struct):
+    remote_request_id: str | None = None
+
+
+_decode_ids = msgspec.json.Decoder(_KvIds).decode
+
+
+def remote_request_id(kv_params: bytes) -> str | None:
+    """The prefill's internal request id from its params, for aborting held KV."""
+    try:
+        return _decode_ids(kv_params).remote_request_id
+    except msgspec.DecodeError:
+        return None
+
+
+def prefix_key(req: ClientRequest, route: Route, size: int) -> bytes:
+    """The first ``size`` bytes of the prompt (or messages), for prefix_hash."""
+    value = req.obj.get("prompt" if route is Route.COMPLETIONS else "messages")
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")[:size]
+    return _encode_json(value)[:size]

@@ -1,0 +1,352 @@
+"""The proxy's YAML configuration, validated by pydantic.
+
+Errors name the file, the field (with its line where the YAML has one) and
+why, so a typo in a deployment fails at start or reload with a usable message
+instead of a half-configured proxy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from yarl import URL
+
+Role = Literal["prefill", "decode"]
+PolicyName = Literal["round_robin", "least_inflight", "power_of_two", "prefix_hash"]
+
+# The model key that serves any model name not configured explicitly.
+ANY_MODEL = "*"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message says where and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def normalize_url(value: str) -> str:
+    """Returns a backend base URL without a trailing slash.
+
+    Raises:
+        ValueError: not an absolute http(s) URL with a host, or it carries a
+            query or fragment.
+    """
+    url = URL(value.strip())
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(
+            f"must be an http:// or https:// URL with a host, got {value!r}"
+        )
+    if url.query_string or url.fragment:
+        raise ValueError(f"must not carry a query or fragment, got {value!r}")
+    return str(url).rstrip("/")
+
+
+class InstanceConfig(_Strict):
+    """One backend vLLM (or fake engine) instance."""
+
+    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8100")
+    weight: float = Field(default=1.0, gt=0, description="Relative share of traffic")
+    api_key_env: str | None = Field(
+        default=None,
+        description="Environment variable holding this instance's API key "
+        "(overrides auth.backend_api_key_*)",
+    )
+    api_key_file: str | None = Field(
+        default=None, description="File holding this instance's API key"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return normalize_url(value)
+
+
+class PoolConfig(_Strict):
+    """The instances of one role for one model and how to pick among them."""
+
+    policy: PolicyName = "round_robin"
+    instances: list[InstanceConfig] = Field(min_length=1)
+
+    @field_validator("instances")
+    @classmethod
+    def _unique(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
+        seen: set[str] = set()
+        for inst in value:
+            if inst.url in seen:
+                raise ValueError(f"instance {inst.url} is listed twice")
+            seen.add(inst.url)
+        return value
+
+
+class ModelConfig(_Strict):
+    """Prefill and decode pools serving one model name."""
+
+    prefill: PoolConfig
+    decode: PoolConfig
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class RetryConfig(_Strict):
+    """Retries of failures before the client's first byte."""
+
+    max_attempts: int = Field(
+        default=3, ge=1, le=20, description="Prefill+decode attempts per request"
+    )
+    backoff_base_s: float = Field(default=0.01, ge=0)
+    backoff_max_s: float = Field(default=0.25, ge=0)
+    on_exhausted: Literal["fail", "decode_only"] = Field(
+        default="fail",
+        description="fail: 503 with the reason; decode_only: send the original "
+        "body to a decode instance, which prefills locally",
+    )
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(default=3.0, gt=0)
+    prefill_s: float = Field(default=60.0, gt=0)
+    decode_first_token_s: float = Field(
+        default=60.0, gt=0, description="Stream: until the decode's first data event"
+    )
+    stream_idle_s: float = Field(
+        default=30.0, gt=0, description="Stream: longest gap between chunks"
+    )
+    total_s: float = Field(default=600.0, gt=0)
+
+
+class HealthConfig(_Strict):
+    """Active GET /health probes; passive failures count towards the same threshold."""
+
+    enabled: bool = True
+    path: str = "/health"
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    unhealthy_threshold: int = Field(default=2, ge=1)
+    healthy_threshold: int = Field(default=1, ge=1)
+
+
+class EjectionConfig(_Strict):
+    """KV integrity failures → ejection for a cooldown, then probed back."""
+
+    enabled: bool = True
+    window_s: float = Field(default=60.0, gt=0)
+    instance_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Failures blamed on one instance within the window that eject it",
+    )
+    pair_failures: int = Field(
+        default=2,
+        ge=1,
+        description="Failures of one prefill-decode pair within the window that "
+        "eject the pair",
+    )
+    cooldown_s: float = Field(default=30.0, gt=0)
+
+
+class LimitsConfig(_Strict):
+    max_in_flight: int = Field(default=4096, ge=1, description="Above it: 429")
+    max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1024, description="413")
+
+
+class AuthConfig(_Strict):
+    """Keys come from the environment or files, never from the YAML itself."""
+
+    api_keys_env: str | None = Field(
+        default=None, description="Env var with inbound keys, comma-separated"
+    )
+    api_keys_file: str | None = Field(
+        default=None, description="File with inbound keys, one per line"
+    )
+    admin_key_env: str | None = None
+    admin_key_file: str | None = None
+    backend_api_key_env: str | None = Field(
+        default=None, description="Env var with the key sent to backends"
+    )
+    backend_api_key_file: str | None = None
+
+
+class RoutingConfig(_Strict):
+    prefix_hash_bytes: int = Field(
+        default=256,
+        ge=1,
+        description="prefix_hash: bytes of the prompt (or messages) hashed",
+    )
+
+
+class LoggingConfig(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    attempts: bool = Field(default=True, description="One JSON line per attempt")
+
+
+class ProxyConfig(_Strict):
+    """The whole proxy configuration."""
+
+    server: ServerConfig = ServerConfig()
+    models: dict[str, ModelConfig] = Field(
+        min_length=1,
+        description='Model name -> pools; "*" serves any other model name',
+    )
+    retry: RetryConfig = RetryConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    ejection: EjectionConfig = EjectionConfig()
+    limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _backoff(self) -> ProxyConfig:
+        if self.retry.backoff_max_s < self.retry.backoff_base_s:
+            raise ValueError("retry.backoff_max_s must be >= retry.backoff_base_s")
+        return self
+
+
+def json_schema() -> dict[str, Any]:
+    """The configuration's JSON schema (``kvguard proxy --print-schema``)."""
+    return ProxyConfig.model_json_schema()
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
+    """The 1-based YAML line of the node at ``loc``, or its nearest parent's."""
+    node = root
+    line = None if node is None else node.start_mark.line + 1
+    for part in loc:
+        child: yaml.Node | None = None
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if getattr(key, "value", None) == str(part):
+                    child = value
+                    line = key.start_mark.line + 1
+                    break
+        elif (
+            isinstance(node, yaml.SequenceNode)
+            and isinstance(part, int)
+            and 0 <= part < len(node.value)
+        ):
+            child = node.value[part]
+            line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line
+
+
+def format_validation_error(
+    err: ValidationError, source: str, root: yaml.Node | None = None
+) -> str:
+    """One line per problem: ``source:line: field.path: why``."""
+    lines = []
+    for item in err.errors(include_url=False):
+        loc = tuple(item["loc"])
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        line = _line_of(root, loc)
+        where = f"{source}:{line}" if line else source
+        why = item["msg"]
+        if item["type"] == "extra_forbidden":
+            why = "unknown field"
+        elif item["type"] == "missing":
+            why = "required field missing"
+        lines.append(f"{where}: {field}: {why}")
+    return "\n".join(lines)
+
+
+def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
+    """Parses and validates YAML text.
+
+    Raises:
+        ConfigError: YAML syntax error or a field that fails validation.
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source, root)) from exc
+
+
+def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
+    """Reads and validates a YAML file.
+
+    Raises:
+        ConfigError: unreadable file, YAML syntax error or invalid field.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    return parse_config(text, str(path))
+
+
+def config_from_urls(
+    prefill: list[str],
+    decode: list[str],
+    model: str = ANY_MODEL,
+    **sections: Any,
+) -> ProxyConfig:
+    """A configuration for one model from plain URL lists (the no-YAML start).
+
+    Raises:
+        ConfigError: a bad URL or an empty list.
+    """
+    data: dict[str, Any] = {
+        "models": {
+            model: {
+                "prefill": {"instances": [{"url": u} for u in prefill]},
+                "decode": {"instances": [{"url": u} for u in decode]},
+            }
+        },
+        **sections,
+    }
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "command line")) from exc
+
+
+def read_secret(env: str | None, file: str | None, what: str) -> list[str]:
+    """Keys from an env var (comma-separated) and/or a file (one per line, # comments).
+
+    Raises:
+        ConfigError: the variable is unset or the file is unreadable.
+    """
+    keys: list[str] = []
+    if env is not None:
+        value = os.environ.get(env)
+        if value is None:
+            raise ConfigError(f"{what}: environment variable {env} is not set")
+        keys += [k.strip() for k in value.split(",") if k.strip()]
+    if file is not None:
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from exc
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    if (env is not None or file is not None) and not keys:
+        raise ConfigError(f"{what}: no key found in {env or file}")
+    return keys

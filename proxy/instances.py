@@ -1,0 +1,125 @@
+"""Backend instances, their pools, and the state routing reads.
+
+An Instance outlives configuration reloads while its (model, role, url) stays
+configured, so its in-flight count and health carry over; requests in flight
+keep their Instance even after it is removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from yarl import URL
+
+from proxy.config import Role
+
+
+class Instance:
+    """One backend and the live state the proxy keeps about it."""
+
+    __slots__ = (
+        "abort_url",
+        "api_key",
+        "consecutive_failures",
+        "consecutive_successes",
+        "drained",
+        "ejected_until",
+        "ejections",
+        "headers",
+        "healthy",
+        "in_flight",
+        "model",
+        "removed",
+        "role",
+        "rr_current",
+        "url",
+        "urls",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        role: Role,
+        model: str,
+        weight: float = 1.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.url = url
+        self.role: Role = role
+        self.model = model
+        self.weight = weight
+        self.api_key = api_key
+        base = URL(url)
+        # Pre-built request URLs: yarl parsing per request is measurable.
+        self.urls = {
+            "/v1/completions": base / "v1" / "completions",
+            "/v1/chat/completions": base / "v1" / "chat" / "completions",
+        }
+        self.abort_url = base / "inference" / "v1" / "abort_requests"
+        self.headers: dict[str, str] = {}
+        self.set_api_key(api_key)
+        self.in_flight = 0
+        self.healthy = True
+        self.consecutive_failures = 0
+        self.consecutive_successes = 0
+        self.drained = False
+        self.removed = False
+        self.ejected_until = 0.0  # 0: not ejected; else cooldown end (monotonic)
+        self.ejections = 0
+        self.rr_current = 0.0
+
+    def set_api_key(self, api_key: str | None) -> None:
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @property
+    def ejected(self) -> bool:
+        """Out for integrity failures: cooling down or awaiting its probe."""
+        return self.ejected_until != 0.0
+
+    def usable(self) -> bool:
+        """Healthy, in service and not drained (ejection aside)."""
+        return self.healthy and not self.drained and not self.removed
+
+    def load(self) -> float:
+        return self.in_flight / self.weight
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The admin API's view of this instance."""
+        return {
+            "model": self.model,
+            "role": self.role,
+            "url": self.url,
+            "weight": self.weight,
+            "healthy": self.healthy,
+            "drained": self.drained,
+            "ejected": self.ejected,
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3)
+            if self.ejected
+            else 0.0,
+            "ejections": self.ejections,
+            "in_flight": self.in_flight,
+        }
+
+    def __repr__(self) -> str:
+        return f"Instance({self.role} {self.url})"
+
+
+@dataclass(slots=True)
+class Pool:
+    """The instances of one role for one model; the list is replaced, never mutated."""
+
+    role: Role
+    policy: str
+    instances: list[Instance] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelPools:
+    prefill: Pool
+    decode: Pool
+
+    def pool(self, role: Role) -> Pool:
+        return self.prefill if role == "prefill" else self.decode

@@ -1,0 +1,148 @@
+"""The proxy's Prometheus metrics, on a registry of its own per application.
+
+Instance state is collected at scrape time from the live pools, so removed
+instances vanish from /metrics instead of leaving stale series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.instances import Instance
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class _InstanceCollector(Collector):
+    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+        self._instances = instances
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "role", "instance"]
+        healthy = GaugeMetricFamily(
+            "kvguard_proxy_instance_healthy",
+            "1 while health checks pass",
+            labels=labels,
+        )
+        up = GaugeMetricFamily(
+            "kvguard_proxy_instance_up",
+            "1 while the instance takes new requests (healthy, not drained or ejected)",
+            labels=labels,
+        )
+        ejected = GaugeMetricFamily(
+            "kvguard_proxy_instance_ejected",
+            "1 while ejected for KV integrity failures",
+            labels=labels,
+        )
+        drained = GaugeMetricFamily(
+            "kvguard_proxy_instance_drained",
+            "1 while drained by an admin",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "kvguard_proxy_instance_in_flight", "Requests in flight", labels=labels
+        )
+        for inst in self._instances():
+            values = [inst.model, inst.role, inst.url]
+            healthy.add_metric(values, float(inst.healthy))
+            up.add_metric(values, float(inst.usable() and not inst.ejected))
+            ejected.add_metric(values, float(inst.ejected))
+            drained.add_metric(values, float(inst.drained))
+            in_flight.add_metric(values, float(inst.in_flight))
+        yield from (healthy, up, ejected, drained, in_flight)
+
+
+class ProxyMetrics:
+    """Counters and histograms the request flow updates."""
+
+    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvguard_proxy_requests",
+            "Client requests by route and outcome",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvguard_proxy_ttft_seconds",
+            "Time to the first byte sent to the client (streams: first token)",
+            ["route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "kvguard_proxy_inter_token_seconds",
+            "Gaps between relayed stream chunks",
+            buckets=_GAP,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvguard_proxy_e2e_seconds",
+            "Client request duration, end to end",
+            ["route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.leg = Histogram(
+            "kvguard_proxy_leg_seconds",
+            "Per-leg latency: prefill (whole), decode (to first data or full reply)",
+            ["leg"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvguard_proxy_retries",
+            "Retried attempts by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.integrity_failures = Counter(
+            "kvguard_proxy_kv_integrity_failures",
+            "KV loads that failed their checksum, by prefill and decode",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            "kvguard_proxy_upstream_failures",
+            "Non-integrity backend failures (count towards health)",
+            ["role", "instance", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvguard_proxy_ejections",
+            "Ejections for KV integrity failures (kind: instance or pair)",
+            ["role", "instance", "kind"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvguard_proxy_in_flight", "Client requests in flight", registry=r
+        )
+        r.register(_InstanceCollector(instances))
+        self._requests_children: dict[tuple[str, str], Counter] = {}
+        self._route_children: dict[str, tuple[Histogram, Histogram]] = {}
+        self.leg_prefill = self.leg.labels("prefill")
+        self.leg_decode = self.leg.labels("decode")
+
+    def count_request(self, route: str, outcome: str) -> None:
+        child = self._requests_children.get((route, outcome))
+        if child is None:
+            child = self._requests_children[(route, outcome)] = self.requests.labels(
+                route, outcome
+            )
+        child.inc()
+
+    def route_histograms(self, route: str) -> tuple[Histogram, Histogram]:
+        """(ttft, e2e) children for ``route``, cached: labels() is not free."""
+        pair = self._route_children.get(route)
+        if pair is None:
+            pair = self._route_children[route] = (
+                self.ttft.labels(route),
+                self.e2e.labels(route),
+            )
+        return pair

@@ -1,0 +1,68 @@
+"""Choosing the instances of one attempt.
+
+Preference, best first: usable, not ejected, not yet tried by this request,
+pair not ejected; then tried ones; then ignoring the pair; then ejected ones
+(a pool whose every instance is ejected keeps serving: checksums still guard
+each load). Unhealthy, drained or removed instances are never chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from proxy.ejection import IntegrityTracker
+from proxy.instances import Instance, Pool
+from proxy.policy import POLICIES
+
+
+class Router:
+    """Applies each pool's policy to the instances an attempt may use."""
+
+    def __init__(
+        self, tracker: IntegrityTracker, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.tracker = tracker
+        self._clock = clock
+
+    def _reinstate_expired(self, inst: Instance, now: float, probing: bool) -> None:
+        # Without active probes an ejection simply ends with its cooldown.
+        if not probing and inst.ejected and now >= inst.ejected_until:
+            inst.ejected_until = 0.0
+
+    def pick(
+        self,
+        pool: Pool,
+        key: bytes = b"",
+        avoid: set[Instance] | frozenset[Instance] = frozenset(),
+        partner: Instance | None = None,
+        probing: bool = True,
+    ) -> Instance | None:
+        """One instance of ``pool``, or None when none is usable.
+
+        ``partner`` is the attempt's prefill when picking its decode, so that
+        ejected pairs are avoided.
+        """
+        now = self._clock()
+        usable = []
+        for inst in pool.instances:
+            if inst.usable():
+                self._reinstate_expired(inst, now, probing)
+                usable.append(inst)
+        if not usable:
+            return None
+        choose = POLICIES[pool.policy]
+        fresh = [i for i in usable if not i.ejected]
+        if partner is not None and fresh:
+            paired = [i for i in fresh if not self.tracker.pair_ejected(partner, i)]
+        else:
+            paired = fresh
+        for tier in (
+            [i for i in paired if i not in avoid] if avoid else paired,
+            paired,
+            fresh,
+            usable,
+        ):
+            if tier:
+                return choose(tier, key)
+        return None  # unreachable: ``usable`` is non-empty

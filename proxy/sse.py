@@ -1,0 +1,100 @@
+"""Reading the start of a decode's SSE stream.
+
+The proxy holds a stream until its first ``data:`` event so that a decode
+which fails before its first token (an error event, an empty stream) can
+still be retried: the client has seen nothing yet.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+_decode_json = msgspec.json.Decoder().decode
+
+DONE = b"[DONE]"
+
+
+class First(enum.Enum):
+    """What a stream began with."""
+
+    DATA = "data"
+    ERROR = "error"
+    EMPTY = "empty"
+
+
+@dataclass(slots=True)
+class Verdict:
+    kind: First
+    message: str = ""
+
+
+def error_message(data: bytes) -> str | None:
+    """The message of an ``{"error": ...}`` event payload; None for other payloads."""
+    if b'"error"' not in data:
+        return None
+    try:
+        obj = _decode_json(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(obj, dict) or "error" not in obj:
+        return None
+    err = obj["error"]
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err)
+
+
+class FirstEventScanner:
+    """Buffers SSE bytes until the first event that carries data.
+
+    ``feed`` returns None while no complete data event has arrived; then a
+    Verdict. ``held`` is every byte fed so far, to relay once the stream is
+    accepted.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    @property
+    def held(self) -> bytes:
+        return bytes(self._buf)
+
+    def feed(self, chunk: bytes) -> Verdict | None:
+        self._buf += chunk
+        text = bytes(self._buf)
+        if b"\r" in text:
+            text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        events = text.split(b"\n\n")
+        for event in events[:-1]:  # the last part is incomplete
+            data = _event_data(event)
+            if data is None:
+                continue  # comment, keep-alive or a field without data
+            if data.strip() == DONE:
+                return Verdict(First.EMPTY, "stream ended before any data")
+            message = error_message(data)
+            if message is not None:
+                return Verdict(First.ERROR, message)
+            return Verdict(First.DATA)
+        return None
+
+    def at_eof(self) -> Verdict:
+        """The verdict when the stream ends before ``feed`` gave one."""
+        tail = self.feed(b"\n\n") if self._buf else None
+        if tail is not None and tail.kind is not First.EMPTY:
+            return tail
+        return Verdict(First.EMPTY, "stream ended before any data")
+
+
+def _event_data(event: bytes) -> bytes | None:
+    """The joined ``data:`` lines of one event, or None if it has none."""
+    parts: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None

@@ -1,0 +1,301 @@
+"""Fixtures for the proxy's tests: a tiny in-process P/D backend and a proxy runner.
+
+The stub backend speaks just enough of vLLM's P/D protocol (wire.md) to test
+the proxy's flow without torch: a prefill answers one token and
+``kv_transfer_params`` and holds the "KV" until a decode pulls it or an abort
+frees it; a decode pulls it from the prefill stub named in the params and
+fails with "KV checksum mismatch" when that prefill corrupts. The
+end-to-end behaviours are also tested against the real fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from proxy.app import STATE, ProxyState, create_app
+from proxy.config import ProxyConfig
+
+MARKER = "KV checksum mismatch"
+
+_STUBS: dict[int, StubEngine] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def expected_text(prompt: Any, max_tokens: int) -> str:
+    """What every stub (prefill+decode, or monolithic) generates for a prompt."""
+    seed = sum(msgspec.json.encode(prompt)) % 97
+    return "".join(f" w{(seed + i) % 50}" for i in range(max_tokens))
+
+
+@dataclass
+class StubEngine:
+    """One backend; ``mode`` picks a failure to simulate."""
+
+    port: int = 0
+    mode: str = "ok"  # ok|corrupt|integrity|error500|hang|empty|die|bad400|slow
+    requests: list[tuple[str, Mapping[str, str], dict[str, Any]]] = field(
+        default_factory=list
+    )
+    aborts: list[list[str]] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)
+    cancelled: int = 0
+    chunk_delay: float = 0.0
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def bodies(self, path: str = "") -> list[dict[str, Any]]:
+        return [b for p, _, b in self.requests if path in p]
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = msgspec.json.decode(raw)
+        self.requests.append((request.path, request.headers.copy(), body))
+        rid = request.headers.get("X-Request-Id", "none")
+        if self.mode == "bad400":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "bad prompt",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
+                },
+                status=400,
+            )
+        if self.mode == "error500":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "engine dead",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                },
+                status=500,
+            )
+        kvp = body.get("kv_transfer_params")
+        prompt = body.get("prompt", body.get("messages"))
+        if kvp and kvp.get("do_remote_decode"):
+            internal = f"internal-{rid}"
+            self.held.add(internal)
+            return web.json_response(
+                {
+                    "id": rid,
+                    "choices": [{"index": 0, "text": expected_text(prompt, 1)}],
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_block_ids": [[1, 2, 3]],
+                        "remote_engine_id": f"engine-{self.port}",
+                        "remote_request_id": internal,
+                        "remote_host": "127.0.0.1",
+                        "remote_port": self.port,
+                        "tp_size": 1,
+                        "kv_checksums": "AAEC",
+                        "future_field": {"x": 1},
+                    },
+                }
+            )
+        if self.mode == "hang":  # stuck before pulling the KV
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        failed = self.mode == "integrity"
+        if kvp:
+            source = _STUBS.get(int(kvp.get("remote_port", -1)))
+            if source is not None:
+                source.held.discard(kvp.get("remote_request_id"))
+                failed = failed or source.mode == "corrupt"
+        max_tokens = int(
+            body.get("max_tokens") or body.get("max_completion_tokens") or 8
+        )
+        text = expected_text(prompt, max_tokens)
+        stream = bool(body.get("stream"))
+        err = {
+            "error": {
+                "message": f"{MARKER} in block 1",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
+        if not stream:
+            if failed:
+                return web.json_response(err, status=500)
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": text}],
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            if failed:
+                await resp.write(
+                    b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
+                )
+                return resp
+            if self.mode == "empty":
+                await resp.write(b": keep-alive\n\ndata: [DONE]\n\n")
+                return resp
+            words = text.split(" ")[1:]
+            for i, word in enumerate(words):
+                chunk = {"id": rid, "choices": [{"index": 0, "text": " " + word}]}
+                await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                if self.mode == "die" and i == 1:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                if self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return resp
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        ids = (await request.json())["request_ids"]
+        self.aborts.append(ids)
+        for rid in ids:
+            self.held.discard(rid)
+        return web.Response()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=503 if self.mode == "unhealthy" else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": f"m{self.port % 2}"}]}
+        )
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/inference/v1/abort_requests", self._abort)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        _STUBS[self.port] = self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+        _STUBS.pop(self.port, None)
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[Callable[..., Any]]:
+    """``await make(mode=...)`` starts a stub backend; all stop at teardown."""
+    started: list[StubEngine] = []
+
+    async def make(mode: str = "ok", **kwargs: Any) -> StubEngine:
+        stub = StubEngine(mode=mode, **kwargs)
+        await stub.start()
+        started.append(stub)
+        return stub
+
+    yield make
+    for stub in started:
+        await stub.stop()
+
+
+def make_config(
+    prefill: list[str], decode: list[str], model: str = "*", **sections: Any
+) -> ProxyConfig:
+    """A config for one model, health probes slowed so tests control them."""
+    sections.setdefault("health", {"interval_s": 30})
+    return ProxyConfig.model_validate(
+        {
+            "models": {
+                model: {
+                    "prefill": {"instances": [{"url": u} for u in prefill]},
+                    "decode": {"instances": [{"url": u} for u in decode]},
+                }
+            },
+            **sections,
+        }
+    )
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    state: ProxyState
+    session: aiohttp.ClientSession
+
+    async def post(self, path: str, body: Any, **kwargs: Any) -> aiohttp.ClientResponse:
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+        return await self.session.post(self.url + path, data=data, **kwargs)
+
+    async def metrics(self) -> str:
+        async with self.session.get(self.url + "/metrics") as resp:
+            return await resp.text()
+
+
+@asynccontextmanager
+async def run_proxy(
+    config: ProxyConfig, source: str | None = None
+) -> AsyncIterator[RunningProxy]:
+    """Serves ``config`` on a free port the way ``kvguard proxy`` does."""
+    app = create_app(config, source)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+    try:
+        yield RunningProxy(f"http://127.0.0.1:{port}", app[STATE], session)
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> tuple[str, list[Any]]:
+    """(concatenated text, list of error objects) of an SSE completion stream."""
+    text = []
+    errors = []
+    raw = (await resp.read()).decode()
+    for event in raw.split("\n\n"):
+        if not event.startswith("data: "):
+            continue
+        data = event[6:]
+        if data == "[DONE]":
+            continue
+        obj = msgspec.json.decode(data)
+        if "error" in obj:
+            errors.append(obj["error"])
+            continue
+        choice = obj["choices"][0]
+        text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(text), errors

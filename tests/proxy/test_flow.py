@@ -1,0 +1,340 @@
+"""The request flow against stub P/D backends (no torch): shaping, relaying, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+from proxy_helpers import (
+    MARKER,
+    expected_text,
+    free_port,
+    make_config,
+    read_sse,
+    run_proxy,
+)
+
+from proxy.body import PREFILL_KV_PARAMS
+
+COMPLETION = {
+    "model": "m",
+    "prompt": "hello world",
+    "max_tokens": 6,
+    "temperature": 0.5,
+}
+
+
+async def test_non_stream_completion_is_the_decode_reply(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["choices"][0]["text"] == expected_text("hello world", 6)
+
+
+async def test_stream_completion_relays_every_token(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text, errors = await read_sse(resp)
+    assert errors == []
+    assert text == expected_text("hello world", 6)
+
+
+async def test_prefill_body_follows_the_wire_protocol_and_keeps_other_fields(stubs):
+    p, d = await stubs(), await stubs()
+    client = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+        "temperature": 0.25,
+        "vendor_extension": {"a": [1, 2]},
+    }
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/chat/completions", client)
+        await resp.read()
+    (sent,) = p.bodies()
+    assert sent == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 1,
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0.25,
+        "vendor_extension": {"a": [1, 2]},
+        "kv_transfer_params": PREFILL_KV_PARAMS,
+    }
+
+
+async def test_decode_gets_the_original_body_plus_the_prefills_params_verbatim(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        await (await px.post("/v1/completions", COMPLETION)).read()
+    (sent,) = d.bodies()
+    kvp = sent.pop("kv_transfer_params")
+    assert sent == COMPLETION
+    assert kvp["kv_checksums"] == "AAEC"
+    assert kvp["future_field"] == {"x": 1}  # unknown keys kept
+    assert kvp["remote_port"] == p.port
+
+
+async def test_client_kv_transfer_params_never_reach_a_backend(stubs):
+    p, d = await stubs(), await stubs()
+    evil = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 666}
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(
+            "/v1/completions", {**COMPLETION, "kv_transfer_params": evil}
+        )
+        assert resp.status == 200
+    assert p.bodies()[0]["kv_transfer_params"] == PREFILL_KV_PARAMS
+    assert d.bodies()[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+
+
+async def test_request_id_is_sent_to_both_legs_and_echoed(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(
+            "/v1/completions", COMPLETION, headers={"X-Request-Id": "abc-1"}
+        )
+        assert resp.headers["X-Request-Id"] == "abc-1"
+        resp = await px.post("/v1/completions", COMPLETION)
+        generated = resp.headers["X-Request-Id"]
+    assert [h["X-Request-Id"] for _, h, _ in p.requests] == ["abc-1", generated]
+    assert [h["X-Request-Id"] for _, h, _ in d.requests] == ["abc-1", generated]
+    assert len(generated) == 32
+
+
+async def test_corrupted_load_is_retried_on_another_prefill_with_attempt_suffix(stubs):
+    bad, good, d = await stubs("corrupt"), await stubs(), await stubs()
+    config = make_config([bad.url, good.url], [d.url], retry={"backoff_base_s": 0})
+    async with run_proxy(config) as px:
+        for i, stream in enumerate((False, True, False, True)):
+            resp = await px.post(
+                "/v1/completions",
+                {**COMPLETION, "stream": stream},
+                headers={"X-Request-Id": f"r{i}"},
+            )
+            assert resp.status == 200
+            assert resp.headers["X-Request-Id"] == f"r{i}"
+            if stream:
+                text, errors = await read_sse(resp)
+                assert errors == []
+            else:
+                text = (await resp.json())["choices"][0]["text"]
+            assert text == expected_text("hello world", 6)
+        metrics = await px.metrics()
+    hit_bad = [h["X-Request-Id"] for _, h, _ in bad.requests]
+    assert hit_bad  # round robin sent some first attempts to the corrupting prefill
+    retried = f'kvguard_proxy_retries_total{{reason="kv_integrity"}} {len(hit_bad)}.0'
+    assert retried in metrics
+    assert f'prefill="{bad.url}"' in metrics
+    decode_ids = [h["X-Request-Id"] for _, h, _ in d.requests]
+    assert all(f"{rid}-retry1" in decode_ids for rid in hit_bad)
+    await asyncio.sleep(0.1)
+    assert bad.held == set()  # the failed attempts' KV was freed
+    assert [hit_bad[0], f"internal-{hit_bad[0]}"] in bad.aborts
+
+
+async def test_decode_error_event_before_first_token_is_retried(stubs):
+    p, d_bad, d_good = await stubs(), await stubs("integrity"), await stubs()
+    config = make_config([p.url], [d_bad.url, d_good.url], retry={"backoff_base_s": 0})
+    async with run_proxy(config) as px:
+        for _ in range(4):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+            text, errors = await read_sse(resp)
+            assert (resp.status, errors, text) == (
+                200,
+                [],
+                expected_text("hello world", 6),
+            )
+
+
+async def test_empty_decode_stream_is_retried_elsewhere(stubs):
+    p, d_empty, d_good = await stubs(), await stubs("empty"), await stubs()
+    config = make_config(
+        [p.url], [d_empty.url, d_good.url], retry={"backoff_base_s": 0}
+    )
+    async with run_proxy(config) as px:
+        for _ in range(2):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+            text, errors = await read_sse(resp)
+            assert (errors, text) == ([], expected_text("hello world", 6))
+        metrics = await px.metrics()
+    assert 'kvguard_proxy_retries_total{reason="decode_empty"} 1.0' in metrics
+
+
+async def test_first_token_timeout_is_retried(stubs):
+    p, d_hang, d_good = await stubs(), await stubs("hang"), await stubs()
+    config = make_config(
+        [p.url],
+        [d_hang.url, d_good.url],
+        retry={"backoff_base_s": 0},
+        timeouts={"decode_first_token_s": 0.3},
+    )
+    async with run_proxy(config) as px:
+        for _ in range(2):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+            text, errors = await read_sse(resp)
+            assert (errors, text) == ([], expected_text("hello world", 6))
+    await asyncio.sleep(0.1)
+    assert len(d_hang.aborts) == len(d_hang.requests) >= 1  # each stuck attempt aborted
+    assert d_hang.cancelled == len(d_hang.requests)
+
+
+async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(stubs):
+    p, d = await stubs(), await stubs("die")
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        started = time.monotonic()
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status == 200
+        text, errors = await read_sse(resp)
+    assert time.monotonic() - started < 5
+    assert text == expected_text("hello world", 6)[: len(text)] and text
+    assert len(errors) == 1 and errors[0]["code"] == 502
+    assert len(d.requests) == 1  # nothing retried after the first byte
+
+
+async def test_idle_decode_stream_ends_with_an_error_event_within_the_idle_timeout(
+    stubs,
+):
+    p, d = await stubs(), await stubs(chunk_delay=5)
+    config = make_config([p.url], [d.url], timeouts={"stream_idle_s": 0.3})
+    async with run_proxy(config) as px:
+        started = time.monotonic()
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        text, errors = await read_sse(resp)
+        elapsed = time.monotonic() - started
+    assert elapsed < 2
+    assert text and "idle" in errors[0]["message"]
+
+
+async def test_decode_down_before_start_is_retried_on_another_decode(stubs):
+    p, d = await stubs(), await stubs()
+    down = f"http://127.0.0.1:{free_port()}"
+    config = make_config([p.url], [down, d.url], retry={"backoff_base_s": 0})
+    async with run_proxy(config) as px:
+        for stream in (False, True, False, True):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
+            assert resp.status == 200
+            await resp.read()
+
+
+async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
+    d = await stubs()
+    downs = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    config = make_config(downs, [d.url], timeouts={"connect_s": 1.0})
+    async with run_proxy(config) as px:
+        started = time.monotonic()
+        resp = await px.post("/v1/completions", COMPLETION)
+        elapsed = time.monotonic() - started
+        body = await resp.json()
+    assert resp.status == 503
+    assert elapsed < 1.0
+    assert body["error"]["type"] == "ServiceUnavailableError"
+    assert "prefill" in body["error"]["message"]
+    assert d.requests == []
+
+
+async def test_backend_4xx_goes_back_unchanged_and_is_not_retried(stubs):
+    p_bad, p_ok, d = await stubs("bad400"), await stubs(), await stubs()
+    async with run_proxy(make_config([p_bad.url, p_ok.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        body = await resp.json()
+    assert resp.status == 400
+    assert body["error"]["message"] == "bad prompt"
+    assert len(p_bad.requests) + len(p_ok.requests) == 1
+    assert d.requests == []
+
+
+async def test_decode_4xx_goes_back_unchanged_and_frees_the_prefill_kv(stubs):
+    p, d = await stubs(), await stubs("bad400")
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status == 400
+        assert (await resp.json())["error"]["message"] == "bad prompt"
+    await asyncio.sleep(0.1)
+    assert p.held == set()
+
+
+async def test_exhausted_retries_fail_with_503_saying_why(stubs):
+    p, d = await stubs("corrupt"), await stubs()
+    config = make_config(
+        [p.url], [d.url], retry={"max_attempts": 2, "backoff_base_s": 0}
+    )
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        body = await resp.json()
+    assert resp.status == 503
+    assert MARKER in body["error"]["message"]
+    assert len(d.requests) == 2
+
+
+async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs):
+    p, d = await stubs("corrupt"), await stubs()
+    config = make_config(
+        [p.url],
+        [d.url],
+        retry={"max_attempts": 2, "backoff_base_s": 0, "on_exhausted": "decode_only"},
+    )
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"] == expected_text(
+            "hello world", 6
+        )
+    assert "kv_transfer_params" not in d.bodies()[-1]
+
+
+async def test_client_disconnect_mid_stream_aborts_the_decode(stubs):
+    p, d = await stubs(), await stubs(chunk_delay=0.2)
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        async with aiohttp.ClientSession() as client:
+            resp = await client.post(
+                px.url + "/v1/completions",
+                data=msgspec.json.encode(
+                    {**COMPLETION, "stream": True, "max_tokens": 50}
+                ),
+                headers={"X-Request-Id": "gone-1"},
+            )
+            await resp.content.readany()
+            resp.close()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if d.aborts and d.cancelled:
+                break
+    assert ["gone-1"] in d.aborts
+    assert d.cancelled == 1
+    assert p.held == set()
+
+
+async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
+    p, d = await stubs(), await stubs("hang")
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        async with aiohttp.ClientSession() as client:
+            task = asyncio.create_task(
+                client.post(
+                    px.url + "/v1/completions",
+                    data=msgspec.json.encode({**COMPLETION, "stream": True}),
+                    headers={"X-Request-Id": "gone-2"},
+                )
+            )
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if d.requests:
+                    break
+            assert p.held
+            task.cancel()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if not p.held and d.aborts:
+                break
+    assert p.held == set()
+    assert ["gone-2"] in d.aborts
