@@ -212,6 +212,14 @@ class ProxyConfig(_Strict):
     routing: RoutingConfig = RoutingConfig()
     logging: LoggingConfig = LoggingConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # A section left with only comments in YAML is null: take its defaults.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k == "models"}
+        return data
+
     @model_validator(mode="after")
     def _backoff(self) -> ProxyConfig:
         if self.retry.backoff_max_s < self.retry.backoff_base_s:

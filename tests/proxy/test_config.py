@@ -1,0 +1,143 @@
+"""Configuration: validation errors name file, line, field and why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.cli import main
+from proxy.config import (
+    ConfigError,
+    config_from_urls,
+    json_schema,
+    load_config,
+    parse_config,
+)
+
+GOOD = """\
+models:
+  m:
+    prefill:
+      policy: prefix_hash
+      instances:
+        - url: http://10.0.0.1:8100/
+          weight: 2
+    decode:
+      instances:
+        - url: http://10.0.0.2:8200
+retry:
+  max_attempts: 4
+"""
+
+
+def test_a_valid_file_loads_with_defaults(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+    cfg = load_config(path)
+    assert cfg.models["m"].prefill.instances[0].url == "http://10.0.0.1:8100"
+    assert cfg.models["m"].prefill.instances[0].weight == 2
+    assert cfg.models["m"].decode.policy == "round_robin"
+    assert cfg.retry.max_attempts == 4
+    assert cfg.server.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "why"),
+    [
+        (
+            GOOD.replace("weight: 2", "weight: -1"),
+            "models.m.prefill.instances.0.weight",
+            "greater than 0",
+        ),
+        (
+            GOOD.replace("prefix_hash", "random"),
+            "models.m.prefill.policy",
+            "round_robin",
+        ),
+        (
+            GOOD.replace("http://10.0.0.2:8200", "10.0.0.2:8200"),
+            "models.m.decode.instances.0.url",
+            "http",
+        ),
+        (
+            GOOD.replace("max_attempts: 4", "max_atempts: 4"),
+            "retry.max_atempts",
+            "unknown field",
+        ),
+        (
+            GOOD.replace(
+                "    decode:\n      instances:\n        - url: http://10.0.0.2:8200\n",
+                "",
+            ),
+            "models.m.decode",
+            "required field missing",
+        ),
+        (GOOD + "timeouts:\n  connect_s: 0\n", "timeouts.connect_s", "greater than 0"),
+    ],
+)
+def test_config_errors_name_file_line_field_and_why(tmp_path, text, field, why):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:")
+    assert f": {field}: " in message
+    assert why in message
+
+
+def test_error_points_at_the_offending_line(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^x.yaml:7: models.m.prefill.instances.0.weight"
+    ):
+        parse_config(GOOD.replace("weight: 2", "weight: zero"), "x.yaml")
+
+
+def test_duplicate_instances_are_rejected():
+    text = GOOD.replace(
+        "        - url: http://10.0.0.2:8200\n",
+        "        - url: http://10.0.0.2:8200\n        - url: http://10.0.0.2:8200/\n",
+    )
+    with pytest.raises(ConfigError, match="listed twice"):
+        parse_config(text)
+
+
+def test_yaml_syntax_and_unreadable_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        parse_config("models: [", "f.yaml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_no_yaml_config_from_urls():
+    cfg = config_from_urls(["http://a:1"], ["http://b:2", "http://c:3"])
+    assert [i.url for i in cfg.models["*"].decode.instances] == [
+        "http://b:2",
+        "http://c:3",
+    ]
+    with pytest.raises(ConfigError, match="command line: models"):
+        config_from_urls([], ["http://b:2"])
+
+
+def test_print_schema_is_the_json_schema(capsys):
+    assert main(["--print-schema"]) == 0
+    assert json.loads(capsys.readouterr().out) == json_schema()
+
+
+def test_check_reports_config_errors_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(GOOD.replace("max_attempts: 4", "max_attempts: 0"))
+    assert main(["--config", str(path), "--check"]) == 2
+    assert "retry.max_attempts" in capsys.readouterr().err
+    path.write_text(GOOD)
+    assert main(["--config", str(path), "--check"]) == 0
+
+
+def test_example_configs_are_valid(monkeypatch):
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    assert len(examples) >= 4
+    for path in examples:
+        load_config(path)

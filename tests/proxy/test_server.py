@@ -1,0 +1,274 @@
+"""The proxy's edges: auth, limits, bad bodies, /health, /v1/models, admin, reload."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy_helpers import expected_text, free_port, make_config, run_proxy
+
+COMPLETION = {"prompt": "hi", "max_tokens": 4}
+
+
+async def test_missing_or_wrong_api_key_is_401_and_the_right_one_passes(
+    stubs, monkeypatch
+):
+    monkeypatch.setenv("TEST_KEYS", "k1,k2")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"api_keys_env": "TEST_KEYS"})
+    async with run_proxy(config) as px:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+            resp = await px.post("/v1/completions", COMPLETION, headers=headers)
+            assert resp.status == 401
+            assert (await resp.json())["error"]["type"] == "AuthenticationError"
+        resp = await px.post(
+            "/v1/completions", COMPLETION, headers={"Authorization": "Bearer k2"}
+        )
+        assert resp.status == 200
+        async with px.session.get(px.url + "/v1/models") as resp:
+            assert resp.status == 401
+    assert len(p.requests) == 1
+
+
+async def test_keys_can_come_from_a_file(stubs, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nsecret-a\n\nsecret-b\n")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"api_keys_file": str(keys)})
+    async with run_proxy(config) as px:
+        ok = await px.post(
+            "/v1/completions", COMPLETION, headers={"Authorization": "Bearer secret-b"}
+        )
+        bad = await px.post(
+            "/v1/completions", COMPLETION, headers={"Authorization": "Bearer # team a"}
+        )
+    assert (ok.status, bad.status) == (200, 401)
+
+
+async def test_backend_key_is_sent_to_backends(stubs, monkeypatch):
+    monkeypatch.setenv("BACKEND_KEY", "vllm-secret")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"backend_api_key_env": "BACKEND_KEY"})
+    async with run_proxy(config) as px:
+        await (await px.post("/v1/completions", COMPLETION)).read()
+    for stub in (p, d):
+        assert stub.requests[0][1]["Authorization"] == "Bearer vllm-secret"
+
+
+async def test_malformed_body_is_400_in_openai_error_json(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        for path, body in (
+            ("/v1/completions", b"{not json"),
+            ("/v1/completions", b'{"max_tokens": 3}'),
+            ("/v1/chat/completions", b'{"messages": "hi"}'),
+        ):
+            resp = await px.post(path, body)
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert p.requests == []
+
+
+async def test_oversized_body_is_413_with_or_without_content_length(stubs):
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], limits={"max_body_bytes": 2048})
+    big = {"prompt": "x" * 4096}
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", big)
+        assert resp.status == 413
+
+        async def chunks():
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"y" * 512
+            yield b'"}'
+
+        resp = await px.session.post(px.url + "/v1/completions", data=chunks())
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == 413
+    assert p.requests == []
+
+
+async def test_requests_over_the_in_flight_limit_are_429(stubs):
+    p, d = await stubs(), await stubs("hang")
+    config = make_config(
+        [p.url], [d.url], limits={"max_in_flight": 1}, timeouts={"total_s": 2}
+    )
+    async with run_proxy(config) as px:
+        first = asyncio.create_task(px.post("/v1/completions", COMPLETION))
+        for _ in range(200):
+            if d.requests:
+                break
+            await asyncio.sleep(0.01)
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 429
+        first.cancel()
+
+
+async def test_unknown_model_is_404(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url], model="m")) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "model": "other"})
+        assert resp.status == 404
+        resp = await px.post("/v1/completions", COMPLETION)  # no model: the only one
+        assert resp.status == 200
+
+
+async def test_health_is_200_only_while_each_role_has_a_healthy_instance(stubs):
+    p, d = await stubs(), await stubs()
+    down = f"http://127.0.0.1:{free_port()}"
+    config = make_config(
+        [p.url, down], [d.url], health={"interval_s": 30, "unhealthy_threshold": 1}
+    )
+    async with run_proxy(config) as px:
+        async with px.session.get(px.url + "/health") as resp:
+            assert resp.status == 200
+        d.mode = "unhealthy"
+        await px.state.health.check_all()
+        async with px.session.get(px.url + "/health") as resp:
+            assert resp.status == 503
+            assert "no healthy decode" in (await resp.json())["problems"][0]
+        assert not next(i for i in px.state.all_instances() if i.url == down).healthy
+        d.mode = "ok"
+        await px.state.health.check_all()
+        async with px.session.get(px.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_models_is_the_union_of_the_backends(stubs):
+    a, b = await stubs(), await stubs()
+    while a.port % 2 == b.port % 2:  # stubs report m0 or m1 by port parity
+        b = await stubs()
+    config = make_config([a.url], [b.url], model="configured")
+    async with run_proxy(config) as px, px.session.get(px.url + "/v1/models") as resp:
+        ids = {m["id"] for m in (await resp.json())["data"]}
+    assert ids == {"m0", "m1", "configured"}
+
+
+async def test_metrics_expose_the_documented_families(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        await (await px.post("/v1/completions", {**COMPLETION, "stream": True})).read()
+        text = await px.metrics()
+    for family in (
+        'kvguard_proxy_requests_total{outcome="ok",route="completions"} 1.0',
+        "kvguard_proxy_ttft_seconds_bucket",
+        "kvguard_proxy_inter_token_seconds_bucket",
+        "kvguard_proxy_e2e_seconds_bucket",
+        'kvguard_proxy_leg_seconds_bucket{le="0.005",leg="prefill"}',
+        "kvguard_proxy_in_flight 0.0",
+        f'kvguard_proxy_instance_healthy{{instance="{p.url}",model="*",'
+        'role="prefill"} 1.0',
+    ):
+        assert family in text
+
+
+async def admin(px, method, path, key="adm", **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with px.session.request(
+        method, px.url + path, headers=headers, **kwargs
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_admin_api_requires_its_key(stubs, monkeypatch):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        assert (await admin(px, "GET", "/admin/instances"))[0] == 403  # not configured
+    monkeypatch.setenv("ADM", "adm")
+    async with run_proxy(
+        make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
+    ) as px:
+        assert (await admin(px, "GET", "/admin/instances", key=None))[0] == 401
+        assert (await admin(px, "GET", "/admin/instances", key="wrong"))[0] == 401
+        status, body = await admin(px, "GET", "/admin/instances")
+        assert status == 200 and {i["url"] for i in body["instances"]} == {p.url, d.url}
+
+
+async def test_admin_drain_add_remove_steer_new_requests(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with run_proxy(config) as px:
+        status, _ = await admin(
+            px, "POST", "/admin/instances", json={"role": "prefill", "url": p2.url}
+        )
+        assert status == 200
+        status, _ = await admin(
+            px, "POST", "/admin/instances/drain", json={"url": p1.url}
+        )
+        assert status == 200
+        for _ in range(3):
+            assert (await px.post("/v1/completions", COMPLETION)).status == 200
+        assert (len(p1.requests), len(p2.requests)) == (0, 3)
+        await admin(px, "POST", "/admin/instances/undrain", json={"url": p1.url})
+        status, body = await admin(
+            px, "DELETE", "/admin/instances", json={"url": p2.url}
+        )
+        assert status == 200 and p2.url not in {i["url"] for i in body["instances"]}
+        for _ in range(2):
+            assert (await px.post("/v1/completions", COMPLETION)).status == 200
+        assert (len(p1.requests), len(p2.requests)) == (2, 3)
+        status, body = await admin(
+            px, "DELETE", "/admin/instances", json={"url": p1.url}
+        )
+        assert status == 400 and "last prefill" in body["error"]["message"]
+        status, body = await admin(
+            px, "POST", "/admin/instances", json={"role": "x", "url": "y"}
+        )
+        assert status == 400
+
+
+async def test_reload_adds_and_removes_instances_under_load_without_failures(
+    stubs, tmp_path
+):
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    for stub in (p1, p2, d):
+        stub.chunk_delay = 0.01
+    path = tmp_path / "proxy.yaml"
+
+    def write(prefills):
+        lines = ["models:", "  '*':", "    prefill:", "      instances:"]
+        lines += [f"        - url: {u}" for u in prefills]
+        lines += ["    decode:", "      instances:", f"        - url: {d.url}"]
+        path.write_text("\n".join(lines) + "\n")
+
+    write([p1.url])
+    from proxy.config import load_config
+
+    async with run_proxy(load_config(path), source=str(path)) as px:
+        stop = asyncio.Event()
+        statuses: list[tuple[int, str]] = []
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                resp = await px.post(
+                    "/v1/completions",
+                    {"prompt": f"p{i}", "max_tokens": 5, "stream": i % 2 == 0},
+                )
+                body = await resp.read()
+                statuses.append((resp.status, body.decode()))
+
+        clients = [asyncio.create_task(client(i)) for i in range(6)]
+        await asyncio.sleep(0.3)
+        write([p2.url])  # p2 added, p1 removed, requests in flight on p1
+        assert await px.state.reload()
+        seen_p1 = len(p1.requests)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*clients)
+    assert statuses and all(s == 200 for s, _ in statuses)
+    assert all("error" not in body for _, body in statuses)
+    assert len(p1.requests) == seen_p1 and p2.requests  # traffic moved over
+
+
+async def test_a_bad_reload_keeps_the_running_configuration(stubs, tmp_path):
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+    path.write_text("models: {}\n")
+    async with run_proxy(make_config([p.url], [d.url]), source=str(path)) as px:
+        assert not await px.state.reload()
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+        text = (await resp.json())["choices"][0]["text"]
+    assert text == expected_text("hi", 4)

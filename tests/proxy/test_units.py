@@ -1,0 +1,268 @@
+"""Units with no network: policies, ejection windows, SSE scanning, body shaping."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.body import (
+    BadRequest,
+    Route,
+    decode_body,
+    kv_params_of,
+    parse_request,
+    prefill_body,
+    prefix_key,
+)
+from proxy.config import EjectionConfig
+from proxy.ejection import IntegrityTracker
+from proxy.instances import Instance, Pool
+from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
+from proxy.routing import Router
+from proxy.sse import First, FirstEventScanner
+
+
+def insts(
+    n: int, role: str = "prefill", weights: list[float] | None = None
+) -> list[Instance]:
+    weights = weights or [1.0] * n
+    return [Instance(f"http://h{i}:1", role, "m", weights[i]) for i in range(n)]  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ policies
+
+
+def test_round_robin_honours_weights_evenly():
+    cands = insts(3, weights=[1, 2, 3])
+    picks = Counter(round_robin(cands, b"").url for _ in range(600))
+    assert picks == {"http://h0:1": 100, "http://h1:1": 200, "http://h2:1": 300}
+
+
+def test_least_inflight_picks_the_least_loaded_per_weight():
+    a, b = insts(2, weights=[1, 4])
+    a.in_flight, b.in_flight = 2, 4  # loads 2.0 and 1.0
+    assert least_inflight([a, b], b"") is b
+
+
+def test_power_of_two_never_picks_the_busier_of_two():
+    a, b = insts(2)
+    a.in_flight = 10
+    picks = Counter(power_of_two([a, b], b"").url for _ in range(400))
+    assert picks["http://h1:1"] > picks["http://h0:1"]
+
+
+@given(st.binary(min_size=1, max_size=64))
+def test_prefix_hash_is_stable_and_moves_only_the_removed_instances_keys(key):
+    cands = insts(4)
+    chosen = prefix_hash(cands, key)
+    assert prefix_hash(list(reversed(cands)), key) is chosen
+    others = [c for c in cands if c is not cands[0]]
+    if chosen is not cands[0]:
+        assert prefix_hash(others, key) is chosen
+
+
+def test_prefix_hash_spreads_keys():
+    cands = insts(3)
+    picks = Counter(prefix_hash(cands, f"prompt {i}".encode()).url for i in range(300))
+    assert min(picks.values()) > 60
+
+
+# ------------------------------------------------------------------ ejection
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tracker(clock: Clock, **kw) -> IntegrityTracker:
+    cfg = EjectionConfig(
+        **{"instance_failures": 3, "pair_failures": 2, "window_s": 60, **kw}
+    )
+    return IntegrityTracker(cfg, clock)
+
+
+def test_faulty_prefill_beside_a_good_one_is_ejected_and_the_decode_is_not():
+    clock = Clock()
+    t = tracker(clock, pair_failures=100)
+    (bad, good), (d,) = insts(2), insts(1, "decode")
+    t.record_success(good, d)
+    assert t.record_failure(bad, d) == []
+    assert t.record_failure(bad, d) == []
+    (ejection,) = t.record_failure(bad, d)
+    assert ejection.instance is bad and ejection.partner is None
+    assert bad.ejected and not d.ejected
+
+
+def test_failures_before_any_vouching_count_once_the_partner_is_vouched():
+    clock = Clock()
+    t = tracker(clock, pair_failures=100)
+    (bad, good), (d,) = insts(2), insts(1, "decode")
+    for _ in range(3):
+        assert t.record_failure(bad, d) == []  # no evidence yet: d might be at fault
+    (ejection,) = t.record_success(good, d)
+    assert ejection.instance is bad
+
+
+def test_faulty_decode_among_two_is_ejected():
+    clock = Clock()
+    t = tracker(clock, pair_failures=100)
+    (p,), (bad, good) = insts(1), insts(2, "decode")
+    t.record_success(p, good)
+    out = [e for _ in range(3) for e in t.record_failure(p, bad)]
+    assert [e.instance for e in out] == [bad]
+    assert not p.ejected
+
+
+def test_failures_outside_the_window_are_forgotten():
+    clock = Clock()
+    t = tracker(clock, pair_failures=100)
+    (bad, good), (d,) = insts(2), insts(1, "decode")
+    t.record_success(good, d)
+    t.record_failure(bad, d)
+    t.record_failure(bad, d)
+    clock.now += 61
+    t.record_success(good, d)
+    assert t.record_failure(bad, d) == []
+    assert t.blamed(bad) == 1
+
+
+def test_pair_is_ejected_after_pair_failures_and_returns_after_cooldown():
+    clock = Clock()
+    t = tracker(clock, cooldown_s=30)
+    (p,), (d,) = insts(1), insts(1, "decode")
+    assert t.record_failure(p, d) == []
+    (ejection,) = t.record_failure(p, d)
+    assert ejection.partner is d and t.pair_ejected(p, d)
+    clock.now += 31
+    assert not t.pair_ejected(p, d)
+
+
+def test_router_avoids_ejected_pairs_and_tried_instances_but_never_runs_dry():
+    clock = Clock()
+    t = tracker(clock)
+    router = Router(t, clock)
+    (p,) = insts(1)
+    d1, d2 = insts(2, "decode")
+    pool = Pool("decode", "round_robin", [d1, d2])
+    t.record_failure(p, d1)
+    t.record_failure(p, d1)  # pair (p, d1) ejected
+    assert {router.pick(pool, partner=p).url for _ in range(4)} == {d2.url}
+    assert router.pick(pool, avoid={d2}, partner=p) is d2  # tried beats ejected pair
+    d2.healthy = False
+    assert router.pick(pool, partner=p) is d1  # panic: only an ejected pair is left
+    d1.drained = True
+    assert router.pick(pool, partner=p) is None
+
+
+def test_ejected_instance_returns_after_cooldown_without_probes():
+    clock = Clock()
+    router = Router(tracker(clock), clock)
+    a, b = insts(2)
+    a.ejected_until = clock.now + 10
+    pool = Pool("prefill", "round_robin", [a, b])
+    assert {router.pick(pool, probing=False).url for _ in range(4)} == {b.url}
+    clock.now += 11
+    assert {router.pick(pool, probing=False).url for _ in range(4)} == {a.url, b.url}
+
+
+# ----------------------------------------------------------------------- SSE
+
+
+def test_scanner_holds_comments_and_waits_for_a_whole_event():
+    s = FirstEventScanner()
+    assert s.feed(b": ping\n\n") is None
+    assert s.feed(b'data: {"choices": [{"te') is None
+    verdict = s.feed(b'xt": "a"}]}\n\n')
+    assert verdict is not None and verdict.kind is First.DATA
+    assert s.held.startswith(b": ping")
+
+
+def test_scanner_spots_error_events_and_empty_streams():
+    err = FirstEventScanner().feed(
+        b'data: {"error": {"message": "KV checksum mismatch"}}\r\n\r\n'
+    )
+    assert err is not None and err.kind is First.ERROR and "mismatch" in err.message
+    empty = FirstEventScanner().feed(b"data: [DONE]\n\n")
+    assert empty is not None and empty.kind is First.EMPTY
+    assert FirstEventScanner().at_eof().kind is First.EMPTY
+
+
+def test_a_finish_reason_named_error_is_data_not_an_error_event():
+    verdict = FirstEventScanner().feed(
+        b'data: {"choices": [{"finish_reason": "error"}]}\n\n'
+    )
+    assert verdict is not None and verdict.kind is First.DATA
+
+
+@given(st.binary(max_size=200), st.integers(min_value=1, max_value=50))
+def test_scanner_verdict_does_not_depend_on_chunking(payload, size):
+    stream = b"data: " + msgspec.json.encode(payload.hex()) + b"\n\ndata: [DONE]\n\n"
+    whole = FirstEventScanner().feed(stream)
+    s = FirstEventScanner()
+    verdict = None
+    for i in range(0, len(stream), size):
+        verdict = verdict or s.feed(stream[i : i + size])
+    assert whole is not None and verdict is not None and verdict.kind is whole.kind
+
+
+# ---------------------------------------------------------------------- body
+
+
+@pytest.mark.parametrize(
+    ("raw", "route", "why"),
+    [
+        (b"{", Route.COMPLETIONS, "not valid JSON"),
+        (b"[1]", Route.COMPLETIONS, "JSON object"),
+        (b'{"prompt": 5}', Route.COMPLETIONS, "'prompt'"),
+        (b'{"messages": []}', Route.CHAT, "'messages'"),
+        (b'{"prompt": "x", "stream": "yes"}', Route.COMPLETIONS, "'stream'"),
+        (b'{"prompt": "x", "model": 3}', Route.COMPLETIONS, "'model'"),
+    ],
+)
+def test_bodies_the_flow_cannot_use_are_bad_requests(raw, route, why):
+    with pytest.raises(BadRequest, match=why):
+        parse_request(raw, route)
+
+
+def test_decode_body_splices_params_byte_for_byte():
+    raw = b'{"prompt": "x",  "n": 1.50} \n'
+    req = parse_request(raw, Route.COMPLETIONS)
+    assert decode_body(req, None) is raw
+    kv = b'{"remote_block_ids": [[1]], "kv_checksums": "Zm9v", "new": null}'
+    out = decode_body(req, kv)
+    assert out == b'{"prompt": "x",  "n": 1.50,"kv_transfer_params":' + kv + b"}"
+    assert msgspec.json.decode(out)["kv_transfer_params"]["kv_checksums"] == "Zm9v"
+
+
+def test_prefill_reply_params_are_kept_raw():
+    reply = b'{"id": "x", "kv_transfer_params": {"b": 1,  "a": [2]}}'
+    assert kv_params_of(reply) == b'{"b": 1,  "a": [2]}'
+    assert kv_params_of(b'{"kv_transfer_params": null}') is None
+    assert kv_params_of(b'{"id": 1}') is None
+
+
+def test_prefill_body_caps_tokens_only_where_the_client_had_them():
+    req = parse_request(
+        b'{"prompt": "x", "max_tokens": 50, "min_tokens": 5}', Route.COMPLETIONS
+    )
+    body = msgspec.json.decode(prefill_body(req))
+    assert body["max_tokens"] == 1 and "max_completion_tokens" not in body
+    assert "min_tokens" not in body
+    assert req.obj["min_tokens"] == 5  # the decode still gets it
+
+
+def test_prefix_key_reads_the_prompt_or_messages():
+    req = parse_request(b'{"prompt": "abcdef"}', Route.COMPLETIONS)
+    assert prefix_key(req, Route.COMPLETIONS, 3) == b"abc"
+    chat = parse_request(
+        b'{"messages": [{"role": "user", "content": "hi"}]}', Route.CHAT
+    )
+    assert prefix_key(chat, Route.CHAT, 100).startswith(b'[{"role":"user"')
