@@ -22,7 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.admin import add_admin_routes
 from proxy.auth import Auth, bearer
-from proxy.config import ANY_MODEL, ConfigError, ProxyConfig, load_config, read_secret
+from proxy.config import (
+    ANY_MODEL,
+    ConfigError,
+    PoolConfig,
+    ProxyConfig,
+    Role,
+    load_config,
+    read_secret,
+)
 from proxy.ejection import Ejection, IntegrityTracker
 from proxy.errors import error_response
 from proxy.flow import Flow
@@ -65,34 +73,15 @@ class ProxyState:
         """
         auth = Auth.from_config(config.auth)
         models: dict[str, ModelPools] = {}
-        old = {(i.model, i.role, i.url): i for i in self.all_instances()}
+        old: dict[tuple[str, str, str], Instance] = {
+            (i.model, i.role, i.url): i for i in self.all_instances()
+        }
         kept: set[Instance] = set()
         for name, model in config.models.items():
-            pools = []
-            for role, pool_cfg in (
-                ("prefill", model.prefill),
-                ("decode", model.decode),
-            ):
-                instances = []
-                for inst_cfg in pool_cfg.instances:
-                    key = (
-                        read_secret(
-                            inst_cfg.api_key_env,
-                            inst_cfg.api_key_file,
-                            f"{inst_cfg.url} api key",
-                        )
-                        or [auth.backend_key]
-                    )[0]
-                    inst = old.get((name, role, inst_cfg.url))
-                    if inst is None:
-                        inst = Instance(inst_cfg.url, role, name, inst_cfg.weight, key)  # type: ignore[arg-type]
-                    else:
-                        inst.weight = inst_cfg.weight
-                        inst.set_api_key(key)
-                        kept.add(inst)
-                    instances.append(inst)
-                pools.append(Pool(role, pool_cfg.policy, instances))  # type: ignore[arg-type]
-            models[name] = ModelPools(pools[0], pools[1])
+            models[name] = ModelPools(
+                self._pool(name, "prefill", model.prefill, auth, old, kept),
+                self._pool(name, "decode", model.decode, auth, old, kept),
+            )
         for inst in old.values():
             if inst not in kept:
                 inst.removed = True
@@ -110,6 +99,32 @@ class ProxyState:
         )
         level = getattr(logging, config.logging.level.upper())
         logging.getLogger("kvguard.proxy").setLevel(level)
+
+    @staticmethod
+    def _pool(
+        model: str,
+        role: Role,
+        cfg: PoolConfig,
+        auth: Auth,
+        old: dict[tuple[str, str, str], Instance],
+        kept: set[Instance],
+    ) -> Pool:
+        """A pool for ``cfg``, reusing the Instance objects already serving it."""
+        instances = []
+        for inst_cfg in cfg.instances:
+            keys = read_secret(
+                inst_cfg.api_key_env, inst_cfg.api_key_file, f"{inst_cfg.url} api key"
+            )
+            key = keys[0] if keys else auth.backend_key
+            inst = old.get((model, role, inst_cfg.url))
+            if inst is None:
+                inst = Instance(inst_cfg.url, role, model, inst_cfg.weight, key)
+            else:
+                inst.weight = inst_cfg.weight
+                inst.set_api_key(key)
+                kept.add(inst)
+            instances.append(inst)
+        return Pool(role, cfg.policy, instances)
 
     async def reload(self) -> bool:
         """Re-reads the configuration file; keeps the old one on error."""

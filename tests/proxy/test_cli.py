@@ -1,0 +1,132 @@
+"""``kvguard proxy`` as a process: no-YAML starts, toy-proxy flags, SIGHUP reload."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from proxy_helpers import expected_text, free_port
+
+from proxy.cli import build_parser, config_from_args
+from proxy.config import ConfigError
+
+
+@asynccontextmanager
+async def proxy_process(
+    *args: str,
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvguard.cli",
+        "proxy",
+        "--port",
+        str(port),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"listening on" in line, line
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 15)
+
+
+async def complete(url: str, prompt: str = "hi") -> tuple[int, str]:
+    body = {"prompt": prompt, "max_tokens": 3}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as resp,
+    ):
+        reply = await resp.json()
+    text = reply["choices"][0]["text"] if resp.status == 200 else str(reply)
+    return resp.status, text
+
+
+def test_toy_proxy_flags_pair_hosts_with_ports():
+    args = build_parser().parse_args(
+        [
+            "--prefiller-hosts",
+            "a",
+            "b",
+            "--prefiller-ports",
+            "1",
+            "2",
+            "--decoder-host",
+            "c",
+            "--decoder-ports",
+            "3",
+            "4",
+        ]
+    )
+    config, source = config_from_args(args)
+    pools = config.models["*"]
+    assert [i.url for i in pools.prefill.instances] == ["http://a:1", "http://b:2"]
+    assert [i.url for i in pools.decode.instances] == ["http://c:3", "http://c:4"]
+    assert source is None
+    with pytest.raises(ConfigError, match="prefiller-hosts has 2"):
+        config_from_args(
+            build_parser().parse_args(
+                [
+                    "--prefiller-hosts",
+                    "a",
+                    "b",
+                    "--prefiller-ports",
+                    "1",
+                    "2",
+                    "3",
+                    "--decode",
+                    "http://c:3",
+                ]
+            )
+        )
+    with pytest.raises(ConfigError, match="no backends"):
+        config_from_args(build_parser().parse_args([]))
+
+
+async def test_toy_proxy_flags_start_a_working_proxy(stubs):
+    p, d = await stubs(), await stubs()
+    async with proxy_process(
+        "--prefiller-hosts",
+        "127.0.0.1",
+        "--prefiller-ports",
+        str(p.port),
+        "--decoder-hosts",
+        "127.0.0.1",
+        "--decoder-ports",
+        str(d.port),
+    ) as (url, _):
+        assert await complete(url) == (200, expected_text("hi", 3))
+    assert len(p.requests) == len(d.requests) == 1
+
+
+async def test_sighup_reloads_the_file_and_keeps_serving(stubs, tmp_path):
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+    template = (
+        "models:\n  '*':\n    prefill: {{instances: [{{url: {p}}}]}}\n"
+        "    decode: {{instances: [{{url: {d}}}]}}\n"
+    )
+    path.write_text(template.format(p=p1.url, d=d.url))
+    async with proxy_process("--config", str(path)) as (url, proc):
+        assert (await complete(url))[0] == 200
+        path.write_text(template.format(p=p2.url, d=d.url))
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if (await complete(url))[0] == 200 and p2.requests:
+                break
+        before = len(p1.requests)
+        assert (await complete(url))[0] == 200
+    assert before == 1 and len(p1.requests) == 1 and p2.requests
