@@ -209,7 +209,7 @@ class ProxyState:
             async with self.session.post(
                 inst.abort_url,
                 data=_encode_json({"request_ids": request_ids}),
-                headers={**inst.headers, "Content-Type": "application/json"},
+                headers=inst.headers,
                 timeout=aiohttp.ClientTimeout(
                     total=5, sock_connect=self.config.timeouts.connect_s
                 ),

@@ -72,7 +72,10 @@ class Instance:
 
     def set_api_key(self, api_key: str | None) -> None:
         self.api_key = api_key
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Sent on every call; vLLM rejects bodies not labelled application/json.
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     @property
     def ejected(self) -> bool:

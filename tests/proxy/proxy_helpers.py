@@ -65,6 +65,8 @@ class StubEngine:
         return [b for p, _, b in self.requests if path in p]
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if request.content_type != "application/json":  # as vLLM
+            return web.json_response({"error": {"message": "not JSON"}}, status=415)
         raw = await request.read()
         body = msgspec.json.decode(raw)
         self.requests.append((request.path, request.headers.copy(), body))
