@@ -152,7 +152,7 @@ class EjectionConfig(_Strict):
         description="Failures blamed on one instance within the window that eject it",
     )
     pair_failures: int = Field(
-        default=2,
+        default=5,
         ge=1,
         description="Failures of one prefill-decode pair within the window that "
         "eject the pair",

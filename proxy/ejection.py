@@ -76,6 +76,10 @@ class IntegrityTracker:
                 out.append(ejection)
         return out
 
+    def has_ejected_pairs(self) -> bool:
+        """Cheap check that lets routing skip pair lookups in the common case."""
+        return bool(self._pairs)
+
     def pair_ejected(self, prefill: Instance, decode: Instance) -> bool:
         until = self._pairs.get((prefill, decode))
         if until is None:

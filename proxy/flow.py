@@ -213,7 +213,11 @@ class Flow:
                     st.metrics.retries.labels(failure.reason).inc()
                     await asyncio.sleep(self._backoff(attempt, cfg))
                 prefill = st.router.pick(
-                    pools.prefill, req.key, avoid_p, probing=probing
+                    pools.prefill,
+                    req.key,
+                    avoid_p,
+                    probing=probing,
+                    partners=pools.decode,
                 )
                 if prefill is None:
                     reason = "no healthy prefill instance"

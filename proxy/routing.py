@@ -37,11 +37,14 @@ class Router:
         avoid: set[Instance] | frozenset[Instance] = frozenset(),
         partner: Instance | None = None,
         probing: bool = True,
+        partners: Pool | None = None,
     ) -> Instance | None:
         """One instance of ``pool``, or None when none is usable.
 
         ``partner`` is the attempt's prefill when picking its decode, so that
-        ejected pairs are avoided.
+        ejected pairs are avoided; ``partners`` is the decode pool when
+        picking a prefill, so that a prefill whose every pair is ejected is
+        avoided too.
         """
         now = self._clock()
         usable = []
@@ -53,10 +56,17 @@ class Router:
             return None
         choose = POLICIES[pool.policy]
         fresh = [i for i in usable if not i.ejected]
-        if partner is not None and fresh:
-            paired = [i for i in fresh if not self.tracker.pair_ejected(partner, i)]
-        else:
-            paired = fresh
+        paired = fresh
+        if fresh and self.tracker.has_ejected_pairs():
+            if partner is not None:
+                paired = [i for i in fresh if not self.tracker.pair_ejected(partner, i)]
+            elif partners is not None:
+                others = [d for d in partners.instances if d.usable() and not d.ejected]
+                paired = [
+                    i
+                    for i in fresh
+                    if any(not self.tracker.pair_ejected(i, d) for d in others)
+                ]
         for tier in (
             [i for i in paired if i not in avoid] if avoid else paired,
             paired,

@@ -253,6 +253,7 @@ async def test_reload_adds_and_removes_instances_under_load_without_failures(
         await asyncio.sleep(0.3)
         write([p2.url])  # p2 added, p1 removed, requests in flight on p1
         assert await px.state.reload()
+        await asyncio.sleep(0.15)  # prefills picked before the reload reach p1
         seen_p1 = len(p1.requests)
         await asyncio.sleep(0.3)
         stop.set()

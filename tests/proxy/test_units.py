@@ -266,3 +266,17 @@ def test_prefix_key_reads_the_prompt_or_messages():
         b'{"messages": [{"role": "user", "content": "hi"}]}', Route.CHAT
     )
     assert prefix_key(chat, Route.CHAT, 100).startswith(b'[{"role":"user"')
+
+
+def test_router_steers_prefills_away_from_a_pair_ejected_with_the_only_decode():
+    clock = Clock()
+    t = tracker(clock, pair_failures=2)
+    router = Router(t, clock)
+    bad, good = insts(2)
+    (d,) = insts(1, "decode")
+    prefills = Pool("prefill", "round_robin", [bad, good])
+    decodes = Pool("decode", "round_robin", [d])
+    t.record_failure(bad, d)
+    t.record_failure(bad, d)
+    picks = {router.pick(prefills, partners=decodes).url for _ in range(4)}
+    assert picks == {good.url}
