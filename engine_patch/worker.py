@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # Eager kernels on a CPU gather this many bytes per layer and pass, so that
 # their dozen passes over it stay in the core's cache.
-_EAGER_CPU_CHUNK_BYTES = 256 << 10
+_EAGER_CPU_CHUNK_BYTES = 1 << 20
 
 # The integer dtype of each element size: viewing KV as it keeps its bytes.
 _INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
