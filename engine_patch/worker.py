@@ -283,8 +283,7 @@ class KVChecksumWorker:
 
     Raises:
         ValueError: If a layer's tensor does not fit its layout, layers are
-            on different devices, a group mixes block sizes, or two distinct
-            KV tensors of a group claim one layer index.
+            on different devices, or a group mixes block sizes.
     """
 
     def __init__(
@@ -321,8 +320,13 @@ class KVChecksumWorker:
             unique = _dedupe(group_layers)
             indices = [layer.index for layer in unique]
             if len(set(indices)) != len(indices):
-                raise ValueError(
-                    f"group {group_id}: distinct KV tensors share an index"
+                # Still a checksum both sides agree on; only a swap of KV
+                # between two such layers would go unnoticed.
+                logger.warning(
+                    "KV checksum group %d: distinct KV tensors share a layer "
+                    "index (%s); swaps between them are not detected.",
+                    group_id,
+                    sorted({i for i in indices if indices.count(i) > 1}),
                 )
             shapes = [_shape(layer.kv, layer.layout) for layer in unique]
             if len({shape.block_size for shape in shapes}) > 1:
@@ -630,7 +634,12 @@ class KVChecksumWorker:
         caching allocators reuse memory already)."""
         if self._device.type != "cpu":
             return None
-        if self._scratch is None or self._scratch.numel() < numel:
+        if (
+            self._scratch is None
+            or self._scratch.numel() < numel
+            # Made under torch.inference_mode, it cannot be written outside.
+            or (self._scratch.is_inference() and not torch.is_inference_mode_enabled())
+        ):
             self._scratch = torch.empty(numel, dtype=torch.int64)
         return self._scratch
 
