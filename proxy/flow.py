@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -598,8 +599,10 @@ class Flow:
             gap = metrics.inter_token
             last = now
             tail = held[-16:]
+            aborted = _upstream_aborted(held)
             chunks = resp.content.iter_any().__aiter__()
             error: str | None = None
+            done = False
             try:
                 async with asyncio.timeout(
                     min(now + idle, req.deadline) - now
@@ -616,8 +619,14 @@ class Flow:
                         gap.observe(now - last)
                         last = now
                         tail = (tail + chunk)[-16:]
+                        aborted = aborted or _upstream_aborted(chunk)
+                        # [DONE] is held back: an error event must come before it.
+                        if chunk.endswith(_DONE_EVENT):
+                            chunk = chunk[: -len(_DONE_EVENT)]
+                            done = True
                         try:
-                            await out.write(chunk)
+                            if chunk:
+                                await out.write(chunk)
                         except (ConnectionError, aiohttp.ClientConnectionResetError):
                             outcome = "client_disconnected"
                             return out
@@ -628,7 +637,9 @@ class Flow:
                     if time.monotonic() >= req.deadline
                     else f"decode stream idle for {idle:.3g}s"
                 )
-            if error is None and not tail.rstrip().endswith(DONE):
+            if error is None and aborted:
+                error = "decode aborted the request mid-stream"
+            if error is None and not done and not tail.rstrip().endswith(DONE):
                 error = "decode stream ended without [DONE]"
             if error is not None:
                 outcome = "stream_error"
@@ -640,6 +651,12 @@ class Flow:
                 try:
                     await out.write(error_event(502, error))
                 except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    return out
+            elif done:
+                try:
+                    await out.write(_DONE_EVENT)
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    outcome = "client_disconnected"
                     return out
             try:
                 await out.write_eof()
@@ -712,6 +729,19 @@ class Flow:
         metrics.count_request(req.route.label, outcome)
         _, e2e = metrics.route_histograms(req.route.label)
         e2e.observe(time.monotonic() - req.started)
+
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+_ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+
+
+def _upstream_aborted(chunk: bytes) -> bool:
+    """A chunk finishing a choice with ``abort``: the decode dropped the request.
+
+    The client is still connected (else the relay would have stopped), so
+    the answer is cut short and must not look complete.
+    """
+    return b'"abort"' in chunk and _ABORT_RE.search(chunk) is not None
 
 
 def _snippet(data: bytes, limit: int = 300) -> str:

@@ -1,0 +1,412 @@
+"""The proxy in front of real fake engines (fake_engine.testing): issue 4's list.
+
+Each test starts its engines in-process on free ports; a monolithic engine
+(prefill and decode in one) gives the reference answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from proxy_helpers import make_config, read_sse, run_proxy
+
+pytest.importorskip("torch")
+
+from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
+from fake_engine.testing import EngineSpec, fake_engines
+
+PRODUCER = EngineSpec(role=Role.PRODUCER)
+# Decodes fail loads whose checksums mismatch (KVGuard's fail-closed mode).
+CONSUMER = EngineSpec(role=Role.CONSUMER, fail_closed=True)
+MONOLITH = EngineSpec(role=Role.BOTH)
+CORRUPTING = FaultConfig(fault=FaultKind.BITFLIP, side=FaultSide.PRODUCER, rate=1.0)
+PROMPTS = [f"Request {i}: tell me about block {i * 7} of the cache" for i in range(20)]
+
+
+def body(route: str, prompt: str, stream: bool, max_tokens: int = 8) -> dict[str, Any]:
+    if route == "/v1/completions":
+        return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def text_of(route: str, reply: dict[str, Any]) -> str:
+    choice = reply["choices"][0]
+    return (
+        choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+    )
+
+
+async def answer(
+    session: aiohttp.ClientSession, url: str, route: str, payload: dict[str, Any]
+) -> tuple[int, str, list[Any]]:
+    """(status, text, error events) of one request, stream or not."""
+    async with session.post(url + route, json=payload) as resp:
+        if payload.get("stream") and resp.status == 200:
+            text, errors = await read_sse(resp)
+            return resp.status, text, errors
+        reply = await resp.json()
+        if resp.status != 200:
+            return resp.status, "", [reply.get("error")]
+        return resp.status, text_of(route, reply), []
+
+
+async def engine_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} not in {url}/metrics"
+    return float(match.group(1))
+
+
+def proxy_metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def references(
+    session: aiohttp.ClientSession, mono: str, route: str = "/v1/completions"
+) -> dict[str, str]:
+    out = {}
+    for prompt in PROMPTS:
+        status, text, _ = await answer(session, mono, route, body(route, prompt, False))
+        assert status == 200
+        out[prompt] = text
+    return out
+
+
+async def test_text_through_the_proxy_equals_a_monolithic_engine():
+    async with (
+        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
+        run_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            for prompt in PROMPTS[:3]:
+                _, want, _ = await answer(
+                    s, mono, route, body(route, prompt, False, 12)
+                )
+                assert want
+                for stream in (False, True):
+                    got = await answer(
+                        s, px.url, route, body(route, prompt, stream, 12)
+                    )
+                    assert got == (200, want, []), (route, stream)
+        verified = await engine_metric(s, d, "kvguard_kv_checksum_verified_total")
+    assert verified >= 12  # every answer came through a checked KV load
+
+
+async def test_client_kv_transfer_params_are_ignored():
+    evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
+    async with (
+        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
+        run_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        route = "/v1/completions"
+        _, want, _ = await answer(s, mono, route, body(route, PROMPTS[0], False))
+        got = await answer(
+            s,
+            px.url,
+            route,
+            {**body(route, PROMPTS[0], False), "kv_transfer_params": evil},
+        )
+    assert got == (200, want, [])
+
+
+async def run_load(
+    px_url: str, refs: dict[str, str], count: int, concurrency: int
+) -> list[tuple[int, bool, list[Any]]]:
+    """``count`` requests, half streamed; (status, answer correct, errors) each."""
+    route = "/v1/completions"
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(count):
+        queue.put_nowait(i)
+    results: list[tuple[int, bool, list[Any]]] = []
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            prompt = PROMPTS[i % len(PROMPTS)]
+            status, text, errors = await answer(
+                session, px_url, route, body(route, prompt, i % 2 == 1)
+            )
+            results.append((status, text == refs[prompt], errors))
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return results
+
+
+async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected():
+    concurrency, threshold = 8, 3
+    bad_spec = EngineSpec(role=Role.PRODUCER, fault=CORRUPTING)
+    async with fake_engines(bad_spec, PRODUCER, CONSUMER, MONOLITH) as (
+        bad,
+        good,
+        d,
+        mono,
+    ):
+        config = make_config(
+            [bad, good],
+            [d],
+            ejection={"instance_failures": threshold, "cooldown_s": 300},
+            retry={"backoff_base_s": 0.001},
+        )
+        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+            refs = await references(s, mono)
+            results = await run_load(px.url, refs, 200, concurrency)
+            metrics = await px.metrics()
+            held = await engine_metric(s, bad, "kvguard_kv_blocks_held")
+    assert len(results) == 200
+    assert all(r == (200, True, []) for r in results)
+    failures = proxy_metric(
+        metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad
+    )
+    assert threshold <= failures <= threshold + concurrency
+    assert (
+        proxy_metric(
+            metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance"
+        )
+        == 1
+    )
+    assert proxy_metric(metrics, "kvguard_proxy_instance_ejected", instance=bad) == 1
+    assert proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=d) == 0
+    assert held == 0  # the KV of failed loads was freed, not left to its lease
+
+
+async def test_faulty_decode_among_two_every_answer_correct_and_ejected():
+    concurrency, threshold = 8, 3
+    bad_spec = EngineSpec(
+        role=Role.CONSUMER,
+        fail_closed=True,
+        fault=FaultConfig(fault=FaultKind.ZERO, side=FaultSide.CONSUMER, rate=1.0),
+    )
+    async with fake_engines(PRODUCER, bad_spec, CONSUMER, MONOLITH) as (
+        p,
+        bad,
+        good,
+        mono,
+    ):
+        config = make_config(
+            [p],
+            [bad, good],
+            ejection={"instance_failures": threshold, "cooldown_s": 300},
+            retry={"backoff_base_s": 0.001},
+        )
+        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+            refs = await references(s, mono)
+            results = await run_load(px.url, refs, 200, concurrency)
+            metrics = await px.metrics()
+    assert all(r == (200, True, []) for r in results) and len(results) == 200
+    failures = proxy_metric(
+        metrics, "kvguard_proxy_kv_integrity_failures_total", decode=bad
+    )
+    assert threshold <= failures <= threshold + concurrency
+    assert (
+        proxy_metric(
+            metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance"
+        )
+        == 1
+    )
+    assert proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=p) == 0
+
+
+async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event():
+    slow = EngineSpec(role=Role.CONSUMER, decode_tokens_per_s=20)
+    idle = 2.0
+    async with fake_engines(PRODUCER, slow) as urls:
+        p, d = urls
+        config = make_config([p], [d], timeouts={"stream_idle_s": idle})
+        async with run_proxy(config) as px:
+            resp = await px.post(
+                "/v1/completions", body("/v1/completions", PROMPTS[0], True, 200)
+            )
+            assert resp.status == 200
+            first = await resp.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: {")
+            killed = time.monotonic()
+            await urls.stop(1)
+            rest = await asyncio.wait_for(resp.read(), idle + 3)
+            elapsed = time.monotonic() - killed
+    events = [e for e in rest.split(b"\n\n") if e.startswith(b"data: {")]
+    assert b"error" in events[-1]
+    assert msgspec.json.decode(events[-1][6:])["error"]["message"]
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    assert elapsed < idle + 1
+
+
+async def test_decode_down_before_start_is_retried_elsewhere():
+    async with fake_engines(PRODUCER, CONSUMER, CONSUMER, MONOLITH) as urls:
+        p, d_dead, d_ok, mono = urls
+        await urls.stop(1)
+        config = make_config([p], [d_dead, d_ok], retry={"backoff_base_s": 0.001})
+        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+            refs = await references(s, mono)
+            results = await run_load(px.url, refs, 10, 2)
+            metrics = await px.metrics()
+    assert all(r == (200, True, []) for r in results)
+    assert (
+        proxy_metric(metrics, "kvguard_proxy_retries_total", reason="decode_connect")
+        >= 1
+    )
+
+
+async def test_every_prefill_down_gives_503_within_the_connect_timeout():
+    async with fake_engines(PRODUCER, PRODUCER, CONSUMER) as urls:
+        p1, p2, d = urls
+        await urls.stop(0)
+        await urls.stop(1)
+        config = make_config([p1, p2], [d], timeouts={"connect_s": 1.0})
+        async with run_proxy(config) as px:
+            started = time.monotonic()
+            resp = await px.post(
+                "/v1/completions", body("/v1/completions", "hi", False)
+            )
+            elapsed = time.monotonic() - started
+            error = (await resp.json())["error"]
+    assert resp.status == 503 and error["code"] == 503 and "prefill" in error["message"]
+    assert elapsed < 1.0
+
+
+async def test_client_disconnect_mid_stream_aborts_the_decode_and_frees_prefill_kv():
+    slow = EngineSpec(role=Role.CONSUMER, decode_tokens_per_s=20)
+    async with (
+        fake_engines(PRODUCER, slow) as (p, d),
+        run_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        async with aiohttp.ClientSession() as client:
+            resp = await client.post(
+                px.url + "/v1/completions",
+                json=body("/v1/completions", PROMPTS[1], True, 200),
+            )
+            await resp.content.readuntil(b"\n\n")
+            resp.close()  # the client goes away mid-stream
+        aborted = held = None
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+            aborted = await engine_metric(s, d, "kvguard_requests_aborted_total")
+            held = await engine_metric(s, p, "kvguard_kv_blocks_held")
+            if aborted >= 1 and held == 0:
+                break
+        running = await engine_metric(s, d, "vllm:num_requests_running")
+    assert aborted is not None and aborted >= 1
+    assert held == 0
+    assert running == 0
+
+
+async def test_client_disconnect_before_the_first_token_frees_the_prefill_kv():
+    # The prefill's side of the pull hangs: it holds the KV when the client leaves.
+    stuck = EngineSpec(
+        role=Role.PRODUCER,
+        fault=FaultConfig(fault=FaultKind.HANG, side=FaultSide.PRODUCER, rate=1.0),
+    )
+    async with (
+        fake_engines(stuck, CONSUMER) as (p, d),
+        run_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        async with aiohttp.ClientSession() as client:
+            task = asyncio.create_task(
+                client.post(
+                    px.url + "/v1/completions",
+                    json=body("/v1/completions", PROMPTS[2], True),
+                )
+            )
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if await engine_metric(s, p, "kvguard_kv_blocks_held") > 0:
+                    break
+            assert await engine_metric(s, p, "kvguard_kv_blocks_held") > 0
+            task.cancel()
+        held = None
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+            held = await engine_metric(s, p, "kvguard_kv_blocks_held")
+            if held == 0:
+                break
+    assert held == 0
+
+
+async def test_bad_requests_and_keys_are_refused_before_any_engine_work(monkeypatch):
+    monkeypatch.setenv("PROXY_KEYS", "good-key")
+    async with (
+        fake_engines(PRODUCER, CONSUMER) as (p, d),
+        run_proxy(
+            make_config(
+                [p],
+                [d],
+                auth={"api_keys_env": "PROXY_KEYS"},
+                limits={"max_body_bytes": 4096},
+            )
+        ) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        ok = {"Authorization": "Bearer good-key"}
+        cases = [
+            (b"{bad json", ok, 400),
+            (msgspec.json.encode({"prompt": "x" * 8000}), ok, 413),
+            (msgspec.json.encode({"prompt": "hi"}), {}, 401),
+            (
+                msgspec.json.encode({"prompt": "hi"}),
+                {"Authorization": "Bearer bad"},
+                401,
+            ),
+        ]
+        for data, headers, status in cases:
+            resp = await px.post("/v1/completions", data, headers=headers)
+            assert resp.status == status
+            assert (await resp.json())["error"]["code"] == status
+        sent = await engine_metric(s, p, "kvguard_kv_checksum_sent_total")
+        resp = await px.post(
+            "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=ok
+        )
+        assert resp.status == 200
+    assert sent == 0
+
+
+async def test_reload_adds_and_removes_an_instance_under_load_without_failures(
+    tmp_path,
+):
+    from proxy.config import load_config
+
+    async with fake_engines(PRODUCER, PRODUCER, CONSUMER, MONOLITH) as (
+        p1,
+        p2,
+        d,
+        mono,
+    ):
+        path = tmp_path / "proxy.yaml"
+        template = (
+            "models:\n  '*':\n    prefill: {{instances: [{prefills}]}}\n"
+            "    decode: {{instances: [{{url: {d}}}]}}\n"
+        )
+        path.write_text(template.format(prefills=f"{{url: {p1}}}", d=d))
+        async with (
+            run_proxy(load_config(path), source=str(path)) as px,
+            aiohttp.ClientSession() as s,
+        ):
+            refs = await references(s, mono)
+            load = asyncio.create_task(run_load(px.url, refs, 150, 6))
+            await asyncio.sleep(0.2)
+            path.write_text(template.format(prefills=f"{{url: {p2}}}", d=d))
+            assert await px.state.reload()  # what SIGHUP runs
+            results = await load
+            sent_p2 = await engine_metric(s, p2, "kvguard_kv_checksum_sent_total")
+    assert len(results) == 150 and all(r == (200, True, []) for r in results)
+    assert sent_p2 > 0
