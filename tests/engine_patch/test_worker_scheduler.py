@@ -84,7 +84,9 @@ def test_consumer_verifies_the_producers_kv_at_other_block_ids(
     for worker in workers(produced, producer_tp):
         worker.begin_step(scheduled)
         worker.after_forward()
-        records.append(worker.take_record())
+        record = worker.take_record()
+        assert record is not None
+        records.append(record)
     producer.update_from_output(FakeConnectorOutput(records), set())
     request.finish_reason = FINISHED
     params: dict[str, object] = {}
@@ -107,7 +109,9 @@ def test_consumer_verifies_the_producers_kv_at_other_block_ids(
     for worker in workers(loaded, consumer_tp):
         worker.begin_step(scheduled)
         worker.on_loads_finished(["r"])
-        records.append(worker.take_record())
+        record = worker.take_record()
+        assert record is not None
+        records.append(record)
     failed = consumer.update_from_output(FakeConnectorOutput(records, {"r"}), set())
     assert failed == ({"r"} if corrupt else set())
     assert (consumer.stats.mismatch, consumer.stats.verified) == (
