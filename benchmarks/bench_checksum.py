@@ -45,17 +45,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Seconds of the fastest of ``reps`` runs, after one warm-up run."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def best_times(
+    fns: list[Callable[[], object]], device: torch.device, reps: int
+) -> list[float]:
+    """Seconds of the fastest of ``reps`` runs of each function, after a
+    warm-up run; runs interleaved, so that load from other processes skews
+    them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+    sync(device)
+    for _ in range(reps):
+        for fn, fn_times in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            fn_times.append(time.perf_counter() - start)
+    return [min(fn_times) for fn_times in times]
 
 
 def make_layers(
@@ -116,8 +122,9 @@ def bench_worker(
         return worker.take_record()
 
     pieces = [layer.kv.view(torch.int64) for layer in layers]
-    sum_s = best_time(lambda: [p.sum() for p in pieces], device, reps)
-    worker_s = best_time(checksum, device, reps)
+    sum_s, worker_s = best_times(
+        [lambda: [p.sum() for p in pieces], checksum], device, reps
+    )
     return WorkerFigures(
         "compiled" if compile else "eager",
         total_bytes / 1e9,
