@@ -1,0 +1,360 @@
+"""Proxy throughput and latency: direct-to-decode vs KVGuard's proxy vs vllm-router.
+
+One run, same machine, same fake engines (instant compute, small model), 1P1D:
+a closed loop of ``--concurrency`` clients sends completions, non-stream then
+stream, to each target in turn and reports requests/s and p50/p99 latency,
+then the ratios. Bounded by ``--requests`` and ``--duration`` per target and mode.
+
+    .venv/bin/python benchmarks/bench_proxy.py
+    # vllm-router in its own environment (found at .venv-bench/bin/vllm-router):
+    python3.11 -m venv .venv-bench && .venv-bench/bin/pip install vllm-router==0.1.17
+
+Not a test: figures depend on the machine. Direct-to-decode sends the plain
+body to the decode, which prefills locally: the floor of what a proxy adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small shapes keep the engines' CPU cost low, so the proxies' share shows.
+ENGINE_SHAPE = [
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-size",
+    "16",
+    "--log-level",
+    "WARNING",
+]
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@dataclass
+class Result:
+    target: str
+    mode: str
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Processes:
+    """Child processes started by this run; all stopped by PID at the end."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def wait_ready(url: str, within_s: float = 60) -> None:
+    """Polls until ``url`` answers 200.
+
+    Raises:
+        TimeoutError: it did not within ``within_s`` seconds.
+    """
+    deadline = time.monotonic() + within_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=2)
+                ) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {within_s}s")
+
+
+async def one(
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool
+) -> bool:
+    async with session.post(
+        url, data=body, headers={"Content-Type": "application/json"}
+    ) as resp:
+        if stream:
+            ok = resp.status == 200
+            async for _ in resp.content.iter_any():
+                pass
+            return ok
+        await resp.read()
+        return resp.status == 200
+
+
+async def load(
+    base: str, stream: bool, args: argparse.Namespace, warmup: int = 64
+) -> tuple[int, int, float, list[float]]:
+    """Closed-loop load: (requests, errors, seconds, latencies)."""
+    url = base + "/v1/completions"
+    payload = {
+        "model": "kvguard/fake-model",
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "stream": stream,
+    }
+    body = json.dumps(payload).encode()
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    latencies: list[float] = []
+    errors = 0
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=60)
+    ) as session:
+        await asyncio.gather(*(one(session, url, body, stream) for _ in range(warmup)))
+        budget = args.requests
+        stop_at = time.monotonic() + args.duration
+
+        async def worker() -> None:
+            nonlocal budget, errors
+            while budget > 0 and time.monotonic() < stop_at:
+                budget -= 1
+                started = time.perf_counter()
+                try:
+                    ok = await one(session, url, body, stream)
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        seconds = time.perf_counter() - started
+    return len(latencies), errors, seconds, latencies
+
+
+def summarize(
+    target: str, mode: str, n: int, errors: int, secs: float, lat: list[float]
+) -> Result:
+    lat = sorted(lat)
+    p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan")
+    return Result(
+        target,
+        mode,
+        n,
+        errors,
+        round(secs, 2),
+        round(n / secs, 1) if secs else 0.0,
+        round(statistics.median(lat) * 1000, 2) if lat else float("nan"),
+        round(p99 * 1000, 2),
+    )
+
+
+def router_binary(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    local = ROOT / ".venv-bench" / "bin" / "vllm-router"
+    if local.exists():
+        return str(local)
+    return shutil.which("vllm-router")
+
+
+async def run(args: argparse.Namespace) -> list[Result]:
+    logdir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
+    procs = Processes(logdir)
+    kvguard = [sys.executable, "-m", "kvguard.cli"]
+    results: list[Result] = []
+    try:
+        p_port, d_port = free_port(), free_port()
+        prefill = f"http://127.0.0.1:{p_port}"
+        decode = f"http://127.0.0.1:{d_port}"
+        procs.start(
+            "prefill",
+            [
+                *kvguard,
+                "fake-engine",
+                "--role",
+                "producer",
+                "--port",
+                str(p_port),
+                *ENGINE_SHAPE,
+            ],
+        )
+        procs.start(
+            "decode",
+            [
+                *kvguard,
+                "fake-engine",
+                "--role",
+                "consumer",
+                "--port",
+                str(d_port),
+                *ENGINE_SHAPE,
+            ],
+        )
+        await wait_ready(prefill + "/health")
+        await wait_ready(decode + "/health")
+        targets = [("direct-decode", decode)]
+
+        proxy_port = free_port()
+        procs.start(
+            "kvguard-proxy",
+            [
+                *kvguard,
+                "proxy",
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--port",
+                str(proxy_port),
+                "--log-level",
+                args.proxy_log_level,
+            ],
+        )
+        proxy = f"http://127.0.0.1:{proxy_port}"
+        await wait_ready(proxy + "/health")
+        targets.append(("kvguard-proxy", proxy))
+
+        router = router_binary(args.router_bin)
+        if router is None or args.skip_router:
+            print("vllm-router: not found or skipped (see the module docstring)")
+        else:
+            router_port = free_port()
+            procs.start(
+                "vllm-router",
+                [
+                    router,
+                    "--vllm-pd-disaggregation",
+                    "--prefill",
+                    prefill,
+                    "--decode",
+                    decode,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(router_port),
+                    "--log-level",
+                    "warning",
+                ],
+            )
+            router_url = f"http://127.0.0.1:{router_port}"
+            await wait_ready(router_url + "/health")
+            targets.append(("vllm-router", router_url))
+
+        for stream in (False, True):
+            mode = "stream" if stream else "non-stream"
+            for name, url in targets:
+                n, errors, secs, lat = await load(url, stream, args)
+                result = summarize(name, mode, n, errors, secs, lat)
+                results.append(result)
+                print(
+                    f"{name:14s} {mode:10s} {result.rps:8.1f} req/s"
+                    f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
+                    f"  errors {errors}/{n}",
+                    flush=True,
+                )
+    finally:
+        procs.stop_all()
+        if not args.keep_logs:
+            shutil.rmtree(logdir, ignore_errors=True)
+        else:
+            print(f"logs in {logdir}")
+    return results
+
+
+def ratios(results: list[Result]) -> list[str]:
+    by = {(r.target, r.mode): r for r in results}
+    lines = []
+    for mode in ("non-stream", "stream"):
+        proxy = by.get(("kvguard-proxy", mode))
+        if proxy is None:
+            continue
+        for other in ("vllm-router", "direct-decode"):
+            base = by.get((other, mode))
+            if base is not None and base.rps:
+                rps = proxy.rps / base.rps
+                p50 = proxy.p50_ms / base.p50_ms
+                p99 = proxy.p99_ms / base.p99_ms
+                lines.append(
+                    f"{mode:10s} kvguard-proxy / {other}: {rps:.2f}x req/s, "
+                    f"p50 {p50:.2f}x, p99 {p99:.2f}x"
+                )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="per target and mode"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=15.0, help="seconds per target and mode"
+    )
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--router-bin", default=None)
+    parser.add_argument("--skip-router", action="store_true")
+    parser.add_argument(
+        "--proxy-log-level",
+        default="warning",
+        help="kvguard proxy log level (info logs one JSON line per attempt)",
+    )
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args(argv)
+    print(
+        f"bench_proxy: 1P1D fake engines, concurrency {args.concurrency}, "
+        f"max_tokens {args.max_tokens}, <= {args.requests} requests or "
+        f"{args.duration}s per target and mode, {os.cpu_count()} CPUs"
+    )
+    try:
+        import uvloop
+
+        results = uvloop.run(run(args))
+    except ImportError:
+        results = asyncio.run(run(args))
+    print()
+    for line in ratios(results):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
