@@ -1,0 +1,448 @@
+"""Two engines end to end: a producer's scheduler and workers checksum its
+prefill, a simulated transfer copies the KV into a consumer's blocks (other
+ids, block size, TP/PP split and layout), and the consumer's scheduler and
+workers verify the load; and offloaded KV reloaded against its stored
+checksums."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import pytest
+import torch
+from kv_host_fakes import FakeBlocks
+from pd_sim import (
+    KV,
+    GroupShape,
+    ModelShape,
+    SimEngine,
+    offload,
+    offload_engine,
+    reload,
+    transfer,
+)
+
+from engine_patch import log
+from engine_patch.host import FinishReason
+from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
+from engine_patch.scheduler import UnverifiedReason
+from engine_patch.worker import KVLayout
+
+R = UnverifiedReason
+# 4 layers, 2 KV heads, float16 head size 4: 16-byte cells of 2 pieces.
+MODEL = ModelShape()
+
+PAIRINGS = {
+    "(1,1)->(1,1)": ((1, 1), (1, 1)),
+    "(2,1)->(1,1)": ((2, 1), (1, 1)),
+    "(1,1)->(2,1)": ((1, 1), (2, 1)),
+    "(1,1)->(4,1) replicas": ((1, 1), (4, 1)),
+    "(1,2)->(1,1)": ((1, 2), (1, 1)),
+    "(1,1)->(2,2)": ((1, 1), (2, 2)),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(log, "_warned", set())
+
+
+def engines(
+    producer: tuple[int, int] = (1, 1),
+    consumer: tuple[int, int] = (1, 1),
+    *,
+    producer_bs: int = 16,
+    consumer_bs: int = 16,
+    fail_closed: bool = True,
+    producer_model: ModelShape = MODEL,
+    consumer_model: ModelShape = MODEL,
+) -> tuple[SimEngine, SimEngine]:
+    return (
+        SimEngine(
+            producer_model,
+            tp=producer[0],
+            pp=producer[1],
+            block_size=producer_bs,
+            layout=KVLayout.SPLIT,
+            seed=1,
+        ),
+        SimEngine(
+            consumer_model,
+            tp=consumer[0],
+            pp=consumer[1],
+            block_size=consumer_bs,
+            layout=KVLayout.PACKED_HND,
+            fail_closed=fail_closed,
+            seed=2,
+        ),
+    )
+
+
+# --- Correct loads ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+def test_a_correct_load_verifies(pairing: str) -> None:
+    producer, consumer = engines(*PAIRINGS[pairing])
+    t = transfer(producer, consumer, 50)
+    assert KV_TRANSFER_PARAMS_KEY in t.params
+    assert t.load() == set()
+    assert consumer.scheduler.stats.verified == 1
+    assert producer.scheduler.stats.sent == 1
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), [(16, 32), (32, 16)])
+@pytest.mark.parametrize("num_tokens", [64, 70, 5])
+def test_a_load_between_block_sizes_verifies(
+    producer_bs: int, consumer_bs: int, num_tokens: int
+) -> None:
+    producer, consumer = engines(producer_bs=producer_bs, consumer_bs=consumer_bs)
+    assert transfer(producer, consumer, num_tokens).load() == set()
+    assert consumer.scheduler.stats.verified == 1
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_a_load_verifies_in_every_layout(layout: KVLayout) -> None:
+    producer = SimEngine(MODEL, tp=2, layout=layout)
+    consumer = SimEngine(MODEL, layout=layout, block_size=32)
+    assert transfer(producer, consumer, 45).load() == set()
+
+
+def _corrupt_tokens(tokens: Iterable[int]) -> Callable[[SimEngine, FakeBlocks], None]:
+    """Flip a bit of every cell of these tokens in a consumer's caches,
+    after the load."""
+
+    def corrupt(engine: SimEngine, blocks: FakeBlocks) -> None:
+        for caches in engine.caches.values():
+            for cache in caches:
+                u = cache.layer.kv.view(torch.uint8)
+                for token in tokens:
+                    table = blocks.blocks[cache.group_id]
+                    block_id = table[token // engine.block_size].block_id
+                    offset = token % engine.block_size
+                    if cache.layer.layout is KVLayout.SPLIT:
+                        u[0, block_id, offset] ^= 1
+                    elif cache.layer.layout is KVLayout.PACKED_HND:
+                        u[block_id, :, offset] ^= 1
+                    else:
+                        u[block_id, offset] ^= 1
+
+    return corrupt
+
+
+def test_a_consumer_prefix_hit_verifies_only_the_loaded_blocks() -> None:
+    producer, consumer = engines(consumer=(2, 1))
+    t = transfer(producer, consumer, 70)
+
+    # The consumer's own cached blocks 0..1 differ from the producer's:
+    # they are not loaded, so not compared.
+    failed = t.load(num_local_tokens=32, corrupt_cache=_corrupt_tokens(range(0, 32)))
+    assert failed == set()
+    assert consumer.scheduler.stats.verified == 1
+
+
+def test_a_corrupted_block_after_a_prefix_hit_fails() -> None:
+    producer, consumer = engines()
+    t = transfer(producer, consumer, 70)
+    failed = t.load(num_local_tokens=32, corrupt_cache=_corrupt_tokens([40]))
+    assert failed == {"req"}
+
+
+# --- Corrupted loads ------------------------------------------------------------
+
+
+def flip(
+    g: int, layer: int, token: int, head: int, byte: int, bit: int
+) -> Callable[[KV], None]:
+    def corrupt(kv: KV) -> None:
+        kv[g][layer, token, head, byte] ^= 1 << bit
+
+    return corrupt
+
+
+def test_a_corrupted_load_fails_under_fail_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    producer, consumer = engines(consumer=(2, 1))
+    t = transfer(producer, consumer, 50)
+    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+        assert t.load(corrupt=flip(0, 2, 20, 1, 9, 4)) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+    assert "request req: group 0 block positions [1]" in caplog.text
+
+
+def test_a_corrupted_load_is_logged_but_used_under_fail_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    producer, consumer = engines(consumer_bs=32, fail_closed=False)
+    t = transfer(producer, consumer, 50)
+    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+        assert t.load(corrupt=flip(0, 0, 40, 0, 0, 0)) == set()
+    assert consumer.scheduler.stats.mismatch == 1
+    assert "group 0 block positions [1]" in caplog.text
+    assert "fail-open" in caplog.text
+
+
+# --- Unverified loads -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_a_load_without_a_payload_is_unverified(fail_closed: bool) -> None:
+    producer, consumer = engines(fail_closed=fail_closed)
+    t = transfer(producer, consumer, 30)
+    failed = t.load(params={"do_remote_prefill": True})
+    assert failed == ({"req"} if fail_closed else set())
+    assert consumer.scheduler.stats.unverified == {R.NO_CHECKSUMS: 1}
+
+
+@pytest.mark.parametrize("garbage", ["not base64!", "AAAA", 42, ["x"]])
+def test_a_load_with_a_garbage_payload_is_unverified(garbage: object) -> None:
+    producer, consumer = engines()
+    t = transfer(producer, consumer, 30)
+    failed = t.load(params={"do_remote_prefill": True, KV_TRANSFER_PARAMS_KEY: garbage})
+    assert failed == {"req"}
+    assert consumer.scheduler.stats.unverified == {R.INVALID_CHECKSUMS: 1}
+
+
+def test_a_load_missing_a_consumer_workers_report_is_unverified() -> None:
+    producer, consumer = engines(consumer=(2, 1))
+    t = transfer(producer, consumer, 30)
+    assert t.load(ranks=[(0, 0)]) == {"req"}
+    assert consumer.scheduler.stats.unverified == {R.INCOMPLETE: 1}
+
+
+# Group 1's float16 cells of head size 3 are 12 bytes: not whole pieces, so
+# its workers skip it; as float32 they are 24 bytes, checksummed.
+TWO_GROUPS_SKIPPED = ModelShape(
+    groups=(GroupShape(layers=(0, 1)), GroupShape(layers=(2, 3), head_size=3))
+)
+TWO_GROUPS_CHECKED = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1)),
+        GroupShape(layers=(2, 3), head_size=3, dtype=torch.float32),
+    )
+)
+
+
+def test_a_group_skipped_on_both_sides_is_ignored() -> None:
+    producer, consumer = engines(
+        producer_model=TWO_GROUPS_SKIPPED, consumer_model=TWO_GROUPS_SKIPPED
+    )
+    assert producer.workers[0, 0].skipped_groups == {1}
+    t = transfer(producer, consumer, 40)
+    assert t.load() == set()
+    assert consumer.scheduler.stats.verified == 1
+
+
+@pytest.mark.parametrize(
+    ("producer_model", "consumer_model"),
+    [
+        (TWO_GROUPS_SKIPPED, TWO_GROUPS_CHECKED),
+        (TWO_GROUPS_CHECKED, TWO_GROUPS_SKIPPED),
+    ],
+    ids=["skipped by the producer", "skipped by the consumer"],
+)
+def test_a_group_skipped_on_one_side_only_is_unverified(
+    producer_model: ModelShape, consumer_model: ModelShape
+) -> None:
+    producer, consumer = engines(
+        producer_model=producer_model, consumer_model=consumer_model
+    )
+    t = transfer(producer, consumer, 40)
+    cell_bytes = consumer_model.groups[1].cell_bytes
+
+    def convert(kv: KV) -> None:
+        # What the consumer's group 1 holds after the load, in its dtype.
+        layers, tokens, heads, _ = kv[1].shape
+        kv[1] = np.zeros((layers, tokens, heads, cell_bytes), dtype=np.uint8)
+
+    assert t.load(corrupt=convert) == {"req"}
+    assert consumer.scheduler.stats.unverified == {R.ONE_SIDE: 1}
+
+
+@pytest.mark.parametrize("reason", [FinishReason.ABORT, FinishReason.ERROR])
+def test_an_aborted_producer_sends_nothing(reason: FinishReason) -> None:
+    producer, _ = engines()
+    kv = MODEL.random_kv(0, 30)
+    req, _ = producer.prefill("req", kv, 30)
+    params = producer.finish(req, reason)
+    assert KV_TRANSFER_PARAMS_KEY not in params
+    assert producer.scheduler.take_kv_checksums_to_send() == {}
+    assert producer.scheduler.stats.sent == 0
+
+
+# --- Offloaded KV -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_offloaded_prefix_reloaded_intact_verifies(tp: int) -> None:
+    engine = offload_engine(MODEL, tp=tp)
+    kv = MODEL.random_kv(3, 70)
+    offloaded = offload(engine, "first", kv, 70)
+    assert reload(engine, "second", offloaded) == set()
+    assert engine.scheduler.stats.verified == 1
+    assert engine.connector.failures == []
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_an_offloaded_block_reloaded_with_flipped_bits_fails_and_the_connector_hears(
+    fail_closed: bool,
+) -> None:
+    engine = offload_engine(MODEL, tp=2, fail_closed=fail_closed)
+    kv = MODEL.random_kv(4, 64)
+    offloaded = offload(engine, "first", kv, 64)
+    failed = reload(engine, "second", offloaded, corrupt=flip(0, 3, 35, 1, 12, 6))
+    assert failed == ({"second"} if fail_closed else set())
+    # In both modes the connector hears of it, to drop the bad copy.
+    assert engine.connector.failures == [("second", {0: [2]})]
+
+
+def test_an_offloaded_block_reloaded_at_the_wrong_position_fails() -> None:
+    engine = offload_engine(MODEL, tp=2)
+    kv = MODEL.random_kv(5, 64)
+    offloaded = offload(engine, "first", kv, 64)
+
+    # The tier hands back block 2's KV and checksums as block 1's and v.v.
+    def swap_kv(data: KV) -> None:
+        data[0][:, 16:48] = np.concatenate([data[0][:, 32:48], data[0][:, 16:32]], 1)
+
+    swapped = {
+        rank: {g: v[[0, 2, 1, 3]] for g, v in stored.items()}
+        for rank, stored in offloaded.stored.items()
+    }
+    assert reload(engine, "second", offloaded, corrupt=swap_kv, stored=swapped) == {
+        "second"
+    }
+    assert engine.connector.failures == [("second", {0: [1, 2]})]
+
+
+# --- Detection matrix -------------------------------------------------------------
+
+NUM_TOKENS = 50  # Blocks of 16: three whole and a last of 2 tokens.
+OTHER_KV = MODEL.random_kv(99, NUM_TOKENS)
+
+
+def _swap(t: np.ndarray, dim: int, a: int | slice, b: int | slice) -> None:
+    index_a = (*(slice(None),) * dim, a)
+    index_b = (*(slice(None),) * dim, b)
+    first = t[index_a].copy()
+    t[index_a] = t[index_b]
+    t[index_b] = first
+
+
+def _changed_byte(kv: KV) -> None:
+    kv[0][2, 33, 0, 5] += 77
+
+
+def _zeroed_block(kv: KV) -> None:
+    kv[0][:, 16:32] = 0
+
+
+def _block_of_another_request(kv: KV) -> None:
+    kv[0][:, 32:48] = OTHER_KV[0][:, 32:48]
+
+
+def _one_block_shift(kv: KV) -> None:
+    kv[0][:, 16:] = kv[0][:, :-16].copy()
+
+
+def _truncated_last_block(kv: KV) -> None:
+    # The copy stopped a token short: the slot keeps what it held before.
+    kv[0][:, 49] = 0
+
+
+def _two_bit63_flips(kv: KV) -> None:
+    # Bit 63 of both pieces (K and V) of one cell.
+    kv[0][1, 7, 0, 7] ^= 0x80
+    kv[0][1, 7, 0, 15] ^= 0x80
+
+
+def _bit63_in_two_tokens(kv: KV) -> None:
+    kv[0][1, 7, 0, 7] ^= 0x80
+    kv[0][1, 8, 0, 7] ^= 0x80
+
+
+DETECTED: dict[str, Callable[[KV], None]] = {
+    **{
+        f"bit {bit} of a piece": flip(0, 1, 21, 1, 8 + bit // 8, bit % 8)
+        for bit in range(64)
+    },
+    "a changed byte": _changed_byte,
+    "a zeroed block": _zeroed_block,
+    "two swapped blocks": lambda kv: _swap(kv[0], 1, slice(0, 16), slice(16, 32)),
+    "swapped tokens": lambda kv: _swap(kv[0], 1, 3, 4),
+    "swapped heads": lambda kv: _swap(kv[0], 2, 0, 1),
+    "swapped layers": lambda kv: _swap(kv[0], 0, 0, 1),
+    "a block from another request": _block_of_another_request,
+    "a one-block shift": _one_block_shift,
+    "a truncated last block": _truncated_last_block,
+    "bit 63 flipped in two pieces of one slice": _two_bit63_flips,
+    "bit 63 flipped in two tokens": _bit63_in_two_tokens,
+}
+
+
+@pytest.mark.parametrize("case", list(DETECTED))
+def test_corruption_is_detected(case: str) -> None:
+    producer, consumer = engines(consumer=(2, 1))
+    t = transfer(producer, consumer, NUM_TOKENS, seed=7)
+    assert t.load(corrupt=DETECTED[case]) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
+@pytest.mark.parametrize(
+    "case", ["swapped heads", "bit 63 flipped in two pieces of one slice"]
+)
+def test_corruption_is_detected_across_block_sizes_and_replicas(case: str) -> None:
+    producer, consumer = engines((2, 1), (4, 1), consumer_bs=32)
+    t = transfer(producer, consumer, NUM_TOKENS, seed=8)
+    assert t.load(corrupt=DETECTED[case]) == {"req"}
+
+
+# --- Many clean loads -------------------------------------------------------------
+
+CLEAN_PAIRINGS = [
+    *(((p, c, 16, 16) for p, c in PAIRINGS.values())),
+    ((1, 1), (1, 1), 16, 32),
+    ((2, 1), (1, 2), 32, 16),
+]
+
+
+def test_a_thousand_clean_random_loads_all_verify() -> None:
+    rng = np.random.default_rng(2024)
+    total = 0
+    for i, (p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
+        layouts = list(KVLayout)
+        producer = SimEngine(
+            MODEL, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
+        )
+        consumer = SimEngine(
+            MODEL,
+            tp=c[0],
+            pp=c[1],
+            block_size=c_bs,
+            layout=layouts[(i + 1) % 3],
+            seed=100 + i,
+        )
+        count = 1000 // len(CLEAN_PAIRINGS) + (i < 1000 % len(CLEAN_PAIRINGS))
+        for n in range(count):
+            num_tokens = int(rng.integers(1, 150))
+            chunk = max(p_bs, c_bs)
+            num_local = chunk * int(rng.integers(0, (num_tokens - 1) // chunk + 1))
+            t = transfer(
+                producer,
+                consumer,
+                num_tokens,
+                seed=int(rng.integers(1 << 31)),
+                req_id=f"r{n}",
+            )
+            assert t.load(num_local_tokens=num_local) == set()
+        stats = consumer.scheduler.stats
+        assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (
+            count,
+            0,
+            {},
+        )
+        total += count
+    assert total == 1000
