@@ -57,6 +57,16 @@ class Result:
     rps: float
     p50_ms: float
     p99_ms: float
+    proxy_cpu_ms_per_req: float | None = None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User+system CPU time of a process so far (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -228,10 +238,10 @@ async def run(args: argparse.Namespace) -> list[Result]:
         )
         await wait_ready(prefill + "/health")
         await wait_ready(decode + "/health")
-        targets = [("direct-decode", decode)]
+        targets: list[tuple[str, str, int | None]] = [("direct-decode", decode, None)]
 
         proxy_port = free_port()
-        procs.start(
+        proxy_proc = procs.start(
             "kvguard-proxy",
             [
                 *kvguard,
@@ -248,14 +258,14 @@ async def run(args: argparse.Namespace) -> list[Result]:
         )
         proxy = f"http://127.0.0.1:{proxy_port}"
         await wait_ready(proxy + "/health")
-        targets.append(("kvguard-proxy", proxy))
+        targets.append(("kvguard-proxy", proxy, proxy_proc.pid))
 
         router = router_binary(args.router_bin)
         if router is None or args.skip_router:
             print("vllm-router: not found or skipped (see the module docstring)")
         else:
             router_port = free_port()
-            procs.start(
+            router_proc = procs.start(
                 "vllm-router",
                 [
                     router,
@@ -274,18 +284,27 @@ async def run(args: argparse.Namespace) -> list[Result]:
             )
             router_url = f"http://127.0.0.1:{router_port}"
             await wait_ready(router_url + "/health")
-            targets.append(("vllm-router", router_url))
+            targets.append(("vllm-router", router_url, router_proc.pid))
 
         for stream in (False, True):
             mode = "stream" if stream else "non-stream"
-            for name, url in targets:
+            for name, url, pid in targets:
+                cpu_before = None if pid is None else cpu_seconds(pid)
                 n, errors, secs, lat = await load(url, stream, args)
                 result = summarize(name, mode, n, errors, secs, lat)
+                cpu_after = None if pid is None else cpu_seconds(pid)
+                cpu = ""
+                if cpu_before is not None and cpu_after is not None and n:
+                    # Includes the warm-up requests, so slightly high.
+                    result.proxy_cpu_ms_per_req = round(
+                        (cpu_after - cpu_before) * 1000 / (n + 64), 3
+                    )
+                    cpu = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
                 results.append(result)
                 print(
                     f"{name:14s} {mode:10s} {result.rps:8.1f} req/s"
                     f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
-                    f"  errors {errors}/{n}",
+                    f"  errors {errors}/{n}{cpu}",
                     flush=True,
                 )
     finally:
@@ -307,6 +326,9 @@ def ratios(results: list[Result]) -> list[str]:
         for other in ("vllm-router", "direct-decode"):
             base = by.get((other, mode))
             if base is not None and base.rps:
+                if proxy.errors or base.errors:
+                    lines.append(f"{mode:10s} vs {other}: errors, no ratio")
+                    continue
                 rps = proxy.rps / base.rps
                 p50 = proxy.p50_ms / base.p50_ms
                 p99 = proxy.p99_ms / base.p99_ms
