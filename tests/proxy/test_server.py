@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from proxy_helpers import expected_text, free_port, make_config, run_proxy
 
@@ -273,3 +274,19 @@ async def test_a_bad_reload_keeps_the_running_configuration(stubs, tmp_path):
         assert resp.status == 200
         text = (await resp.json())["choices"][0]["text"]
     assert text == expected_text("hi", 4)
+
+
+async def test_ejected_instance_is_probed_back_after_its_cooldown(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        inst = next(i for i in px.state.all_instances() if i.url == p.url)
+        inst.ejected_until = time.monotonic() + 60
+        await px.state.health.check_all()
+        assert inst.ejected  # still cooling down: a passing probe is not enough
+        inst.ejected_until = time.monotonic() - 1
+        p.mode = "unhealthy"
+        await px.state.health.check_all()
+        assert inst.ejected  # cooldown over, but the probe failed
+        p.mode = "ok"
+        await px.state.health.check_all()
+        assert not inst.ejected and inst.healthy
