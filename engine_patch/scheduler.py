@@ -749,11 +749,25 @@ def _chunk_sums(
         last = cdiv(end, blocks_per_chunk)
     else:
         last = end // blocks_per_chunk
-    if last <= first:
+    count = last - first
+    if count <= 0:
         return first, np.zeros(0, dtype=np.uint64)
-    offsets = [chunk * blocks_per_chunk - start for chunk in range(first, last)]
-    covered = values[: last * blocks_per_chunk - start]
-    return first, np.add.reduceat(covered, offsets, dtype=np.uint64)
+    # Index of the first chunk's first block in ``values``; below
+    # ``len(values)``, as the chunk starts before ``end``.
+    lo = first * blocks_per_chunk - start
+    if blocks_per_chunk == 1:
+        return first, values[lo : lo + count]
+    full = min(count, (len(values) - lo) // blocks_per_chunk)
+    sums = (
+        values[lo : lo + full * blocks_per_chunk]
+        .reshape(full, blocks_per_chunk)
+        .sum(axis=1, dtype=np.uint64)
+    )
+    if full < count:
+        # The last chunk, whose missing blocks are past the tokens.
+        tail = values[lo + full * blocks_per_chunk :].sum(dtype=np.uint64)
+        sums = np.append(sums, tail)
+    return first, sums
 
 
 def _common_chunks(
@@ -788,13 +802,16 @@ def _non_null_run(
 ) -> tuple[int, list[int]] | None:
     """The position and ids of the non-null blocks in ``blocks[first:end]``,
     if they are consecutive and any."""
-    block_ids = [block.block_id for block in blocks[first:end]]
-    nulls = [block.is_null for block in blocks[first:end]]
-    try:
-        offset = nulls.index(False)
-    except ValueError:
-        return None
-    return None if any(nulls[offset:]) else (first + offset, block_ids[offset:])
+    block_ids: list[int] = []
+    offset = 0
+    for block in blocks[first:end]:
+        if not block.is_null:
+            block_ids.append(block.block_id)
+        elif block_ids:
+            return None  # A null block after a non-null one.
+        else:
+            offset += 1
+    return (first + offset, block_ids) if block_ids else None
 
 
 def _sum_replicas(

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import base64
 import logging
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_host_fakes import (
     FakeBlocks,
     FakeConnector,
@@ -210,6 +214,13 @@ RNG = np.random.default_rng(1234)
 
 
 # --- Creation and scheduling ---------------------------------------------------
+
+
+def test_the_scheduler_does_not_import_torch() -> None:
+    # It runs in vLLM's scheduler process and in the proxy-side fake engine
+    # without torch; numpy only.
+    code = "import sys, engine_patch.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_create_needs_a_connector_and_checksums_enabled() -> None:
@@ -1305,3 +1316,44 @@ def test_chunk_sums_leave_out_chunks_not_covered_whole() -> None:
 def test_chunk_sums_with_a_huge_block_size_do_not_allocate_it() -> None:
     first, sums = _chunk_sums(np.ones(3, dtype=np.uint64), 0, 16, 16 << 40, 40)
     assert (first, sums.tolist()) == (0, [3])
+
+
+def _reference_chunk_sums(
+    values: np.ndarray, start: int, block_size: int, chunk_size: int, num_tokens: int
+) -> tuple[int, np.ndarray]:
+    """The spec's ``_chunk_sums``: pads the last chunk with zero blocks."""
+    blocks_per_chunk = chunk_size // block_size
+    end = start + len(values)
+    if end >= -(-num_tokens // block_size):
+        values = np.pad(values, (0, -end % blocks_per_chunk))
+        end += -end % blocks_per_chunk
+    first = -(-start // blocks_per_chunk)
+    last = max(first, end // blocks_per_chunk)
+    whole = values[first * blocks_per_chunk - start : last * blocks_per_chunk - start]
+    return first, whole.reshape(-1, blocks_per_chunk).sum(axis=1, dtype=np.uint64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1), max_size=12),
+    st.integers(0, 10),
+    st.sampled_from([1, 2, 16]),
+    st.integers(1, 4),
+    st.integers(0, 400),
+)
+def test_chunk_sums_equal_the_specs_padded_sums(
+    values: list[int],
+    start: int,
+    block_size: int,
+    blocks_per_chunk: int,
+    num_tokens: int,
+) -> None:
+    array = np.array(values, dtype=np.uint64)
+    chunk_size = block_size * blocks_per_chunk
+    first, sums = _chunk_sums(array, start, block_size, chunk_size, num_tokens)
+    want_first, want = _reference_chunk_sums(
+        array, start, block_size, chunk_size, num_tokens
+    )
+    if len(want):
+        assert first == want_first
+    assert sums.tolist() == want.tolist()
