@@ -185,6 +185,22 @@ def test_a_corrupted_load_is_logged_but_used_under_fail_open(
     assert "fail-open" in caplog.text
 
 
+def test_a_corrupted_copy_of_replicated_heads_fails() -> None:
+    # TP 4 over 2 KV heads: ranks 0 and 1 both hold head 0.
+    producer, consumer = engines((1, 1), (4, 1))
+    assert {c.layer.replicas for c in consumer.caches[0, 1]} == {2}
+    assert {c.layer.replica_index for c in consumer.caches[0, 1]} == {1}
+    t = transfer(producer, consumer, 40)
+
+    def corrupt_second_copy(engine: SimEngine, blocks: FakeBlocks) -> None:
+        cache = engine.caches[0, 1][0]
+        block_id = blocks.blocks[0][1].block_id
+        cache.layer.kv.view(torch.uint8)[block_id, 0, 3, 0] ^= 0x10
+
+    assert t.load(corrupt_cache=corrupt_second_copy) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
 # --- Unverified loads -----------------------------------------------------------
 
 
