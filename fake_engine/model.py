@@ -1,0 +1,172 @@
+"""The fake engine's deterministic model.
+
+Like a transformer, it writes for each token, layer and KV head a K and a V
+vector that depend on the token and every token before it (a hash of the
+prefix), and it chooses each next token by reading KV from the cache: the
+choice is a function of a running digest of every cached KV cell of the
+sequence, read back from the paged cache. KV that a transfer corrupted, and
+that the engine then uses, changes the text; KV that arrives intact gives
+the text the same engine produces on its own, whatever the TP size and
+block size of the engine that computed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine_patch.hashing import MASK64, hash64, mix, splitmix64
+from fake_engine.config import EngineConfig
+from fake_engine.tokenizer import EOS_TOKEN_ID
+
+# What generated tokens are made of: one ASCII byte each, so streamed text
+# never splits a character.
+_ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz" + b" " * 6 + b".,"
+# One next token in this many is EOS (where EOS may end the sequence).
+_EOS_ODDS = 128
+# Differences between copies of a replicated head enter the digest with this
+# odd factor: copies that agree add nothing, so a TP size that replicates
+# heads gives the same text as one that does not.
+_REPLICA_FACTOR = 0x9E3779B97F4A7C15
+# Tokens per pass when generating KV, to bound temporaries.
+_KV_CHUNK_TOKENS = 256
+
+_C_PREFIX = 0xD6E8FEB86659FD93
+_C_VALUE = 0xA0761D6478BD642F
+_C_POSITION = 0xE7037ED1A0B428DB
+
+
+def _signed(value: int) -> int:
+    """A 64-bit word as int64."""
+    value &= MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic)."""
+    x = (x ^ _srl(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def _odd_weights(shape: tuple[int, ...], domain: int) -> torch.Tensor:
+    """Fixed odd int64 weights, one per index of ``shape``."""
+    count = 1
+    for size in shape:
+        count *= size
+    index = torch.arange(count, dtype=torch.int64) + _signed(domain << 48)
+    return (_mix_tensor(index * _signed(_C_VALUE)) | 1).reshape(shape)
+
+
+class FakeModel:
+    """KV of tokens, and next tokens from KV read back from the cache."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_layers = config.layers
+        self.num_heads = config.kv_heads
+        self.head_size = config.head_size
+        self.dtype = config.torch_dtype
+        self.cache_dtype = config.cache_dtype
+        # 64-bit words per cell (one token, layer and head: K then V).
+        self.words_per_cell = 2 * config.head_size * config.element_size // 8
+        self._seed = hash64("kvguard-fake-model", config.model)
+        self._value_keys = _odd_weights(
+            (config.layers, config.kv_heads, 2, config.head_size), 1
+        )
+        self._cell_weights = _odd_weights(
+            (config.layers, config.kv_heads, self.words_per_cell), 2
+        )
+        self._position_weights = torch.empty(0, dtype=torch.int64)
+
+    def prefix_hashes(
+        self, token_ids: Iterable[int], previous: int | None
+    ) -> list[int]:
+        """The prefix hash of each token: of it and every token before it,
+        continuing from the previous token's (None: the sequence's start)."""
+        state = self._seed if previous is None else previous
+        hashes = []
+        for token_id in token_ids:
+            state = mix((state * _C_PREFIX + token_id + 1) & MASK64)
+            hashes.append(state)
+        return hashes
+
+    def kv(self, prefix_hashes: list[int]) -> torch.Tensor:
+        """KV of tokens from their prefix hashes: ``[tokens, layers, heads,
+        2, head_size]`` in the KV cache's dtype (K then V)."""
+        out = torch.empty(
+            (len(prefix_hashes), self.num_layers, self.num_heads, 2, self.head_size),
+            dtype=self.cache_dtype,
+        )
+        for start in range(0, len(prefix_hashes), _KV_CHUNK_TOKENS):
+            chunk = prefix_hashes[start : start + _KV_CHUNK_TOKENS]
+            seeds = torch.tensor([_signed(h) for h in chunk], dtype=torch.int64)
+            # The prefix hash is already mixed: one odd multiply per value
+            # spreads it, and the top 16 bits make a value in [-2, 2).
+            bits = seeds.view(-1, 1, 1, 1, 1) * self._value_keys
+            values = (bits >> 48).to(torch.float32).mul_(1 / 16384).to(self.dtype)
+            if self.cache_dtype != self.dtype:
+                values = values.view(self.cache_dtype)
+            out[start : start + len(chunk)] = values
+        return out
+
+    def head_digests(self, cells: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Per token and head, the digest of cached cells: ``cells`` is
+        ``[tokens, layers, len(heads), 2, head_size]`` as read from the
+        cache, ``heads`` their global head indices. Returns int64
+        ``[tokens, len(heads)]``."""
+        num_tokens = cells.shape[0]
+        words = cells.contiguous().view(torch.int64)
+        words = words.reshape(num_tokens, self.num_layers, len(heads), -1)
+        weights = self._cell_weights[:, heads, :]
+        return (words * weights).sum(dim=(1, 3))
+
+    def combine_heads(
+        self, digests: dict[tuple[int, int], torch.Tensor], replicas: int
+    ) -> torch.Tensor:
+        """Per token, the digest over all heads from per-(head, copy)
+        digests: copy 0 of each head, plus any difference of another copy
+        from it (zero when the copies agree)."""
+        total = torch.zeros_like(next(iter(digests.values())))
+        for head in range(self.num_heads):
+            first = digests[(head, 0)]
+            total += first
+            for copy in range(1, replicas):
+                total += (digests[(head, copy)] - first) * _signed(_REPLICA_FACTOR)
+        return total
+
+    def position_weights(self, positions: torch.Tensor) -> torch.Tensor:
+        """Odd int64 weights of absolute positions."""
+        end = int(positions.max()) + 1 if len(positions) else 0
+        if end > len(self._position_weights):
+            size = max(end, 2 * len(self._position_weights), 1024)
+            index = torch.arange(size, dtype=torch.int64)
+            self._position_weights = _mix_tensor(index * _signed(_C_POSITION)) | 1
+        return self._position_weights[positions]
+
+    def fold(
+        self,
+        token_digests: torch.Tensor,
+        positions: torch.Tensor,
+        sequences: torch.Tensor,
+        num_sequences: int,
+    ) -> list[int]:
+        """What reading tokens adds to their sequences' digests: per-token
+        digests weighted by position, summed per sequence (``sequences``:
+        each token's sequence index)."""
+        weighted = token_digests * self.position_weights(positions)
+        sums = torch.zeros(num_sequences, dtype=torch.int64)
+        sums.index_add_(0, sequences, weighted)
+        return [value & MASK64 for value in sums.tolist()]
+
+    def next_token(self, digest: int, position: int, *, allow_eos: bool) -> int:
+        """The token at ``position``, from the digest of the KV before it."""
+        value = mix(digest ^ splitmix64(position))
+        if allow_eos and value % _EOS_ODDS == 0:
+            return EOS_TOKEN_ID
+        return _ALPHABET[(value >> 8) % len(_ALPHABET)]

@@ -1,0 +1,591 @@
+"""vLLM's OpenAI-compatible request and response shapes, as far as the fake
+engine serves them: request models (pydantic, validated as vLLM validates
+them), response and stream chunk bodies, and vLLM's error JSON."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from http import HTTPStatus
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class RequestError(ValueError):
+    """A request vLLM would refuse: the OpenAI error to answer."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        err_type: str = "BadRequestError",
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.err_type = err_type
+        self.status = status
+
+
+def error_body(
+    message: str,
+    err_type: str = "BadRequestError",
+    status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    param: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's ``ErrorResponse``."""
+    return {
+        "error": {
+            "message": message,
+            "type": err_type,
+            "param": param,
+            "code": int(status),
+        }
+    }
+
+
+# --- Requests ---------------------------------------------------------------
+
+_warned_fields: set[str] = set()
+
+
+class _OpenAIModel(BaseModel):
+    """Accepts fields it does not know, and warns of them (once per field,
+    then at debug level), as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_extra_fields(self) -> _OpenAIModel:
+        extra = set(self.model_extra or ())
+        if extra:
+            new = extra - _warned_fields
+            _warned_fields.update(new)
+            log = logger.warning if new else logger.debug
+            log(
+                "The following fields were present in the request but ignored: %s",
+                sorted(extra),
+            )
+        return self
+
+
+class StreamOptions(_OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def _check_stream_options(data: Any) -> Any:
+    if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+        raise RequestError(
+            "Stream options can only be defined when `stream=True`.",
+            param="stream_options",
+        )
+    return data
+
+
+class _GenerateRequest(_OpenAIModel):
+    """Fields completions and chat share. Sampling fields the deterministic
+    model does not use (temperature, top_p, seed, ...) are accepted."""
+
+    model: str | None = None
+    stop: str | list[str] | None = []
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    use_beam_search: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool | None = None
+    priority: int = 0
+    request_id: str = Field(default_factory=random_uuid)
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options(cls, data: Any) -> Any:
+        return _check_stream_options(data)
+
+    def check_supported(self) -> None:
+        """Raises:
+        RequestError: For what vLLM supports and this engine does not.
+        """
+        if self.n not in (None, 1):
+            raise RequestError(
+                "n > 1 is not supported by the fake engine (its model is greedy).",
+                param="n",
+            )
+        if self.use_beam_search:
+            raise RequestError(
+                "Beam search is not supported by the fake engine.",
+                param="use_beam_search",
+            )
+        if self.min_tokens < 0:
+            raise RequestError(
+                "min_tokens must be greater than or equal to 0, "
+                f"got {self.min_tokens}.",
+                param="min_tokens",
+            )
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return bool(
+            options and options.include_usage and options.continuous_usage_stats
+        )
+
+
+class CompletionRequest(_GenerateRequest):
+    """``POST /v1/completions``."""
+
+    prompt: (
+        list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+        | str
+        | list[str]
+        | None
+    ) = None
+    echo: bool | None = False
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalize(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("max_tokens") is None:
+            data = {**data, "max_tokens": 16}
+        prompt = data.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise RequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty.",
+                param="prompt",
+            )
+        return data
+
+
+class ChatMessage(_OpenAIModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def parse_request(model: type[_Model], data: Any) -> _Model:
+    """Validate a request body as vLLM does.
+
+    Raises:
+        RequestError: With vLLM's message and ``param`` for invalid bodies.
+
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# pydantic's schema kinds that show in error locations but name no field
+# (vLLM drops the same).
+_INTERNAL_LOC_MARKERS = frozenset(
+    [
+        "function-wrap",
+        "function-after",
+        "function-before",
+        "function-plain",
+        "json-or-python",
+        "lax-or-strict",
+        "chain",
+        "default",
+        "nullable",
+        "tagged-union",
+        "union",
+        "call",
+        "arguments",
+        "is-instance",
+        "is-subclass",
+        "callable",
+        "str",
+        "int",
+        "float",
+        "bool",
+        "bytes",
+        "bytearray",
+        "list",
+        "tuple",
+        "dict",
+        "set",
+        "frozenset",
+        "complex",
+        "none",
+        "nonetype",
+    ]
+)
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """An error location as vLLM's ``param``: ``body.<field path>``."""
+    parts = [
+        str(p)
+        for p in loc
+        if not re.search(r"[\[\]{}()]", str(p))
+        and str(p).lower() not in _INTERNAL_LOC_MARKERS
+    ]
+    return ".".join(["body", *parts])
+
+
+def _summarize(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "...[truncated]"
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value
+
+
+def validation_error(exc: ValidationError) -> RequestError:
+    """vLLM's answer to a body that fails validation: "N validation
+    errors:" and each error; ``param`` from a vLLM error or the first
+    error's location."""
+    errors = exc.errors(include_url=False)
+    for error in errors:
+        ctx_error = (error.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, RequestError):
+            return ctx_error
+    lines = []
+    for error in errors[:10]:
+        entry = {
+            "type": error["type"],
+            "loc": _clean_loc(tuple(error["loc"])),
+            "msg": error["msg"],
+            "input": _summarize(error.get("input")),
+        }
+        lines.append(f"  {entry}")
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "\n".join(lines)
+    if count > 10:
+        message += f"\n  ...and {count - 10} more {label}"
+    param = _clean_loc(tuple(errors[0]["loc"])) if errors else None
+    return RequestError(message, param=param)
+
+
+def json_error(position: int, reason: str) -> RequestError:
+    """vLLM's (FastAPI's) answer to a body that is not JSON."""
+    entry = {
+        "type": "json_invalid",
+        "loc": f"body.{position}",
+        "msg": "JSON decode error",
+        "input": {},
+        "ctx": {"error": reason},
+    }
+    return RequestError(f"1 validation error:\n  {entry}", param=f"body.{position}")
+
+
+# --- Responses --------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """Usage in a stream's chunks (vLLM drops its None fields there)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def completion_response(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    prompt_token_ids: list[int],
+    token_ids: list[int],
+    return_token_ids: bool,
+    kv_transfer_params: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+                "token_ids": token_ids if return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_token_ids if return_token_ids else None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(len(prompt_token_ids), len(token_ids)),
+        "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def completion_chunk(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    prompt_token_ids: list[int] | None,
+    token_ids: list[int] | None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+                "prompt_token_ids": prompt_token_ids,
+                "token_ids": token_ids,
+            }
+        ],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def usage_chunk(
+    *, response_id: str, created: int, model: str, obj: str, usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def chat_response(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    prompt_token_ids: list[int],
+    token_ids: list[int],
+    return_token_ids: bool,
+    kv_transfer_params: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+                "token_ids": token_ids if return_token_ids else None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(len(prompt_token_ids), len(token_ids)),
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids if return_token_ids else None,
+        "prompt_text": None,
+        "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def chat_role_chunk(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    prompt_token_ids: list[int] | None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    chunk["prompt_token_ids"] = prompt_token_ids
+    chunk["prompt_text"] = None
+    return chunk
+
+
+def chat_chunk(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    token_ids: list[int] | None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = token_ids
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def models_response(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": model,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{random_uuid()}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
+    }

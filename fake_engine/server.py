@@ -1,0 +1,600 @@
+"""The fake engine's HTTP server (aiohttp): vLLM's OpenAI-compatible routes,
+``/metrics``, the abort route, fault administration, and the internal KV
+pull route consumers read a producer's blocks through."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fake_engine.config import FaultConfig, FaultKind, FaultSide
+from fake_engine.engine import Engine, EngineStoppedError, PullError
+from fake_engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    error_body,
+    json_error,
+    models_response,
+    now,
+    parse_request,
+    stream_usage,
+    usage_chunk,
+    validation_error,
+)
+from fake_engine.request import EngineRequest, RequestOutput, SamplingOptions
+from fake_engine.tokenizer import (
+    VOCAB_SIZE,
+    ChatTemplateError,
+    apply_chat_template,
+    decode,
+    encode,
+)
+from fake_engine.transfer import PULL_PATH, TransferError, decode_pull_request
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+_BYTE_POSITION = re.compile(r"byte (\d+)")
+# The largest request body taken (long prompts, pulled KV requests).
+MAX_BODY_BYTES = 64 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=_json.encode(body), status=status, content_type="application/json"
+    )
+
+
+def error_response(error: RequestError) -> web.Response:
+    return json_response(
+        error_body(error.message, error.err_type, error.status, error.param),
+        status=int(error.status),
+    )
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class FaultUpdate(BaseModel):
+    """``POST /kvguard/faults``: the fault flags, as JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fault: FaultKind
+    side: FaultSide = FaultSide.PRODUCER
+    rate: float = 1.0
+    count: int | None = None
+    delay_s: float = 1.0
+
+
+@web.middleware
+async def _framework_errors(
+    request: web.Request, handler: Handler
+) -> web.StreamResponse:
+    """Unknown routes and methods answer as FastAPI does."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+class EngineServer:
+    """Serves one engine over HTTP."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.app = web.Application(
+            middlewares=[_framework_errors], client_max_size=MAX_BODY_BYTES
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.post("/inference/v1/abort_requests", self.abort_requests),
+                web.get("/kvguard/faults", self.get_faults),
+                web.post("/kvguard/faults", self.set_faults),
+                web.post(PULL_PATH, self.pull),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+
+    async def start(
+        self, host: str, port: int, advertise_host: str | None = None
+    ) -> int:
+        """Start the engine and listen; returns the port (``port`` 0: a free one)."""
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = self._runner.addresses[0][1]
+        if advertise_host is None:
+            advertise_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        self.engine.host = advertise_host
+        self.engine.port = bound
+        await self.engine.start()
+        return int(bound)
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # OpenAI routes.
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_request(CompletionRequest, await self._read_json(request))
+            body.check_supported()
+            self._check_model(body.model)
+            prompt_ids = self._completion_prompt(body.prompt)
+            max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens)
+        except RequestError as e:
+            return error_response(e)
+        base = request.headers.get("X-Request-Id") or body.request_id
+        response_id = f"cmpl-{base}"
+        engine_request = self._engine_request(
+            f"{response_id}-0-{uuid.uuid4().hex[:8]}",
+            prompt_ids,
+            body,
+            max_tokens,
+            aliases=(base, response_id, f"{response_id}-0"),
+        )
+        echo = decode(prompt_ids) if body.echo else ""
+        if not body.stream:
+            return await self._full_response(
+                engine_request,
+                lambda text, out, token_ids: completion_response(
+                    response_id=response_id,
+                    created=now(),
+                    model=self.model_name,
+                    text=echo + text,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=token_ids,
+                    return_token_ids=bool(body.return_token_ids),
+                    kv_transfer_params=out.kv_transfer_params,
+                ),
+            )
+        created = now()
+        return_ids = bool(body.return_token_ids)
+
+        def chunk(out: RequestOutput, first: bool, num_output: int) -> dict[str, Any]:
+            return completion_chunk(
+                response_id=response_id,
+                created=created,
+                model=self.model_name,
+                text=(echo if first else "") + out.text,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                prompt_token_ids=prompt_ids if return_ids and first else None,
+                token_ids=out.token_ids if return_ids else None,
+                usage=stream_usage(len(prompt_ids), num_output)
+                if body.continuous_usage
+                else None,
+            )
+
+        return await self._stream_response(
+            request,
+            engine_request,
+            chunk,
+            role_chunk=None,
+            final_usage=(
+                lambda num_output: usage_chunk(
+                    response_id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    obj="text_completion",
+                    usage=stream_usage(len(prompt_ids), num_output),
+                )
+            )
+            if body.include_usage
+            else None,
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_request(ChatCompletionRequest, await self._read_json(request))
+            body.check_supported()
+            self._check_model(body.model)
+            try:
+                prompt = apply_chat_template(
+                    [m.model_dump(exclude_none=True) for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                )
+            except ChatTemplateError as e:
+                raise RequestError(str(e), param="messages") from None
+            prompt_ids = encode(prompt)
+            requested = (
+                body.max_completion_tokens
+                if body.max_completion_tokens is not None
+                else body.max_tokens
+            )
+            max_tokens = self._max_tokens(len(prompt_ids), requested)
+        except RequestError as e:
+            return error_response(e)
+        base = request.headers.get("X-Request-Id") or body.request_id
+        response_id = f"chatcmpl-{base}"
+        engine_request = self._engine_request(
+            f"{response_id}-{uuid.uuid4().hex[:8]}",
+            prompt_ids,
+            body,
+            max_tokens,
+            aliases=(base, response_id),
+        )
+        return_ids = bool(body.return_token_ids)
+        if not body.stream:
+            return await self._full_response(
+                engine_request,
+                lambda text, out, token_ids: chat_response(
+                    response_id=response_id,
+                    created=now(),
+                    model=self.model_name,
+                    text=text,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=token_ids,
+                    return_token_ids=return_ids,
+                    kv_transfer_params=out.kv_transfer_params,
+                ),
+            )
+        created = now()
+
+        def chunk(out: RequestOutput, first: bool, num_output: int) -> dict[str, Any]:
+            return chat_chunk(
+                response_id=response_id,
+                created=created,
+                model=self.model_name,
+                text=out.text,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                token_ids=out.token_ids if return_ids else None,
+                usage=stream_usage(len(prompt_ids), num_output)
+                if body.continuous_usage
+                else None,
+            )
+
+        return await self._stream_response(
+            request,
+            engine_request,
+            chunk,
+            role_chunk=chat_role_chunk(
+                response_id=response_id,
+                created=created,
+                model=self.model_name,
+                prompt_token_ids=prompt_ids if return_ids else None,
+                usage=stream_usage(len(prompt_ids), 0)
+                if body.continuous_usage
+                else None,
+            ),
+            final_usage=(
+                lambda num_output: usage_chunk(
+                    response_id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    obj="chat.completion.chunk",
+                    usage=stream_usage(len(prompt_ids), num_output),
+                )
+            )
+            if body.include_usage
+            else None,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.config.model
+
+    async def models(self, request: web.Request) -> web.Response:
+        config = self.engine.config
+        return json_response(models_response(config.model, config.max_model_len, now()))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.engine.stopped else 200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.engine.metrics.render(),
+            headers={"Content-Type": self.engine.metrics.content_type},
+        )
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        """vLLM's ``/inference/v1/abort_requests``; also drops held KV."""
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            return self._http_error(HTTPStatus.BAD_REQUEST, f"JSON decode error: {e}")
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if ids is None:
+            return self._http_error(
+                HTTPStatus.BAD_REQUEST, "Missing 'request_ids' in request body"
+            )
+        if isinstance(ids, str):
+            ids = [ids]
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            return self._http_error(
+                HTTPStatus.BAD_REQUEST, "'request_ids' must be a list of strings"
+            )
+        found = self.engine.abort(ids)
+        logger.info("Aborted %d of %d requests.", found, len(ids))
+        return web.Response(status=200)
+
+    # Fault administration.
+
+    def _fault_state(self) -> dict[str, Any]:
+        faults = self.engine.faults
+        config = faults.config
+        return {
+            "fault": config.fault.value,
+            "side": config.side.value,
+            "rate": config.rate,
+            "count": config.count,
+            "delay_s": config.delay_s,
+            "remaining": faults.remaining,
+            "injected": {f"{f}/{s}": n for (f, s), n in faults.injected.items()},
+        }
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        if not self.engine.config.enable_fault_admin:
+            raise web.HTTPNotFound()
+        return json_response(self._fault_state())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        if not self.engine.config.enable_fault_admin:
+            raise web.HTTPNotFound()
+        try:
+            update = FaultUpdate.model_validate(await self._read_json(request))
+            fault = FaultConfig(**update.model_dump())
+        except ValidationError as e:
+            return error_response(validation_error(e))
+        except ValueError as e:  # RequestError included.
+            message = e.message if isinstance(e, RequestError) else str(e)
+            return error_response(RequestError(message))
+        self.engine.configure_faults(fault)
+        logger.warning("Fault injection set: %s", fault)
+        return json_response(self._fault_state())
+
+    # The KV pull (producer side).
+
+    async def pull(self, request: web.Request) -> web.StreamResponse:
+        try:
+            pull = decode_pull_request(await request.read())
+            parts = await self.engine.serve_pull(pull)
+        except TransferError as e:
+            return self._http_error(HTTPStatus.BAD_REQUEST, str(e))
+        except PullError as e:
+            return self._http_error(HTTPStatus(e.status), str(e))
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/octet-stream"}
+        )
+        response.content_length = sum(len(part) for part in parts)
+        await response.prepare(request)
+        for part in parts:
+            await response.write(part)
+        await response.write_eof()
+        return response
+
+    # Helpers.
+
+    @staticmethod
+    def _http_error(status: HTTPStatus, message: str) -> web.Response:
+        """An HTTPException as vLLM answers it."""
+        return json_response(
+            error_body(message, status.phrase, status), status=int(status)
+        )
+
+    @staticmethod
+    async def _read_json(request: web.Request) -> Any:
+        """The body as JSON, refused as vLLM refuses it.
+
+        Raises:
+            RequestError: If it is not JSON.
+
+        """
+        if request.content_type != "application/json":
+            raise RequestError(
+                "1 validation error:\n  Unsupported Media Type: Only "
+                "'application/json' is allowed"
+            )
+        data = await request.read()
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError as e:
+            match = _BYTE_POSITION.search(str(e))
+            raise json_error(int(match.group(1)) if match else 0, str(e)) from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise RequestError(
+                f"The model `{model}` does not exist. "
+                f"Valid aliases: {self.model_name}.",
+                err_type="NotFoundError",
+                status=HTTPStatus.NOT_FOUND,
+                param="model",
+            )
+
+    @staticmethod
+    def _completion_prompt(prompt: Any) -> list[int]:
+        """Token ids of a completion's single prompt.
+
+        Raises:
+            RequestError: For several prompts or ids outside the vocabulary.
+
+        """
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise RequestError(
+                    "Batched prompts are not supported by the fake engine.",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise RequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty.",
+                param="prompt",
+            )
+        for token_id in ids:
+            if token_id >= VOCAB_SIZE:
+                raise RequestError(
+                    f"Token id {token_id} is out of vocabulary", param="prompt"
+                )
+        return ids
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        max_model_len = self.engine.config.max_model_len
+        if num_prompt_tokens > max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. "
+                f"However, your prompt contains {num_prompt_tokens} input tokens, "
+                "which exceeds this limit even without any output tokens. Please "
+                "reduce the length of the input prompt.",
+                param="input_tokens",
+            )
+        available = max_model_len - num_prompt_tokens
+        value = available if requested is None else min(requested, available)
+        if value < 1:
+            raise RequestError(
+                f"max_tokens must be at least 1, got {value}.", param="max_tokens"
+            )
+        return value
+
+    def _engine_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        aliases: tuple[str, ...],
+    ) -> EngineRequest:
+        params = body.kv_transfer_params
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=SamplingOptions(
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
+                stop=body.stop_strings,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+            ),
+            kv_transfer_params=dict(params) if params is not None else None,
+            aliases=aliases,
+        )
+
+    def _submit(self, engine_request: EngineRequest) -> RequestError | None:
+        try:
+            self.engine.add_request(engine_request)
+        except EngineStoppedError as e:
+            return RequestError(
+                str(e),
+                err_type="ServiceUnavailableError",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+            )
+        return None
+
+    async def _full_response(
+        self,
+        engine_request: EngineRequest,
+        build: Callable[[str, RequestOutput, list[int]], dict[str, Any]],
+    ) -> web.Response:
+        if (error := self._submit(engine_request)) is not None:
+            return error_response(error)
+        text: list[str] = []
+        token_ids: list[int] = []
+        try:
+            while True:
+                out = await engine_request.outputs.get()
+                text.append(out.text)
+                token_ids.extend(out.token_ids)
+                if out.finished:
+                    break
+        finally:
+            if not engine_request.finished:
+                self.engine.abort([engine_request.request_id])
+        if out.finish_reason == "error":
+            return error_response(
+                RequestError(
+                    out.error or "Internal server error",
+                    err_type="InternalServerError",
+                    status=HTTPStatus.INTERNAL_SERVER_ERROR,
+                )
+            )
+        return json_response(build("".join(text), out, token_ids))
+
+    async def _stream_response(
+        self,
+        request: web.Request,
+        engine_request: EngineRequest,
+        chunk: Callable[[RequestOutput, bool, int], dict[str, Any]],
+        *,
+        role_chunk: dict[str, Any] | None,
+        final_usage: Callable[[int], dict[str, Any]] | None,
+    ) -> web.StreamResponse:
+        if (error := self._submit(engine_request)) is not None:
+            return error_response(error)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+        try:
+            await response.prepare(request)
+            first = True
+            num_output = 0
+            while True:
+                out = await engine_request.outputs.get()
+                if first and role_chunk is not None:
+                    await response.write(_sse(role_chunk))
+                if out.finish_reason == "error":
+                    status = HTTPStatus.INTERNAL_SERVER_ERROR
+                    message = out.error or "Internal server error"
+                    body = error_body(message, "InternalServerError", status)
+                    await response.write(_sse(body))
+                    break
+                num_output += len(out.token_ids)
+                await response.write(_sse(chunk(out, first, num_output)))
+                first = False
+                if out.finished:
+                    if final_usage is not None:
+                        await response.write(_sse(final_usage(num_output)))
+                    break
+            await response.write(_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.info("Client of request %s went away.", engine_request.request_id)
+        finally:
+            if not engine_request.finished:
+                self.engine.abort([engine_request.request_id])
+        return response

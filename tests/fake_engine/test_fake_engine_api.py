@@ -1,0 +1,340 @@
+"""The fake engine's HTTP surface looks like vLLM's OpenAI server: response
+shapes, SSE framing, usage, stop conditions, models, health, and vLLM's
+error JSON for malformed requests, after which the engine keeps serving."""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import pytest
+from fake_engine_helpers import (
+    CHAT,
+    COMPLETIONS,
+    PROMPT,
+    chat_body,
+    completion_body,
+    post,
+    stream,
+    streamed_text,
+    text_of,
+)
+
+from fake_engine.testing import EngineSpec, fake_engines
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+@pytest.fixture
+async def url():
+    async with fake_engines(EngineSpec(max_model_len=256)) as urls:
+        yield urls[0]
+
+
+async def test_completion_has_vllms_shape(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, answer = await post(
+        session, url + COMPLETIONS, completion_body(), {"X-Request-Id": "r1"}
+    )
+    assert status == 200
+    assert answer["id"] == "cmpl-r1"
+    assert answer["object"] == "text_completion"
+    assert answer["model"] == "kvguard/fake-model"
+    assert list(answer) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
+    (choice,) = answer["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["stop_reason"] is None and choice["logprobs"] is None
+    assert len(choice["text"]) == 12
+    assert answer["usage"] == {
+        "prompt_tokens": len(PROMPT),
+        "total_tokens": len(PROMPT) + 12,
+        "completion_tokens": 12,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert answer["kv_transfer_params"] is None
+
+
+async def test_same_prompt_gives_same_text_and_other_prompts_other_text(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    _, first = await post(session, url + COMPLETIONS, completion_body())
+    _, again = await post(session, url + COMPLETIONS, completion_body())
+    _, other = await post(
+        session, url + COMPLETIONS, completion_body(prompt=PROMPT + "!")
+    )
+    assert text_of(first) == text_of(again) != text_of(other)
+
+
+async def test_completion_stream_is_vllms_sse(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    _, whole = await post(session, url + COMPLETIONS, completion_body())
+    body = completion_body(stream=True, stream_options={"include_usage": True})
+    status, events = await stream(session, url + COMPLETIONS, body)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert len(chunks) == 12
+    for chunk in chunks:
+        assert chunk["object"] == "text_completion"
+        assert chunk["id"].startswith("cmpl-")
+        assert set(chunk["choices"][0]) == {
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "prompt_token_ids",
+            "token_ids",
+        }
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 11 + [
+        "length"
+    ]
+    assert streamed_text(chunks) == text_of(whole)
+    assert usage["choices"] == []
+    assert usage["usage"] == {
+        "prompt_tokens": len(PROMPT),
+        "total_tokens": len(PROMPT) + 12,
+        "completion_tokens": 12,
+    }
+
+
+async def test_chat_completion_and_its_stream(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, whole = await post(session, url + CHAT, chat_body())
+    assert status == 200
+    assert whole["id"].startswith("chatcmpl-")
+    assert whole["object"] == "chat.completion"
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant" and len(message["content"]) == 12
+    status, events = await stream(session, url + CHAT, chat_body(stream=True))
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert streamed_text(events) == message["content"]
+
+
+async def test_continuous_usage_in_every_chunk(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = completion_body(max_tokens=3, stream=True, stream_options=options)
+    _, events = await stream(session, url + COMPLETIONS, body)
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3, 3]
+
+
+async def test_stop_string_ends_the_text(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    _, free = await post(session, url + COMPLETIONS, completion_body(max_tokens=40))
+    text = text_of(free)
+    stop = text[5:7]
+    first = text.index(stop)
+    _, stopped = await post(
+        session, url + COMPLETIONS, completion_body(max_tokens=40, stop=[stop])
+    )
+    choice = stopped["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["text"] == text[:first]
+    body = completion_body(max_tokens=40, stop=stop, stream=True)
+    _, events = await stream(session, url + COMPLETIONS, body)
+    assert streamed_text(events) == text[:first]
+    assert events[-2]["choices"][0]["stop_reason"] == stop
+
+
+async def test_token_ids_and_echo_on_request(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = completion_body(
+        prompt=[72, 105], max_tokens=3, echo=True, return_token_ids=True
+    )
+    _, answer = await post(session, url + COMPLETIONS, body)
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == [72, 105]
+    assert len(choice["token_ids"]) == 3
+    assert choice["text"].startswith("Hi")
+
+
+async def test_unknown_fields_are_accepted_with_a_warning(
+    session: aiohttp.ClientSession, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fake_engine.protocol")
+    body = completion_body(router_hint="prefill-3")
+    status, _ = await post(session, url + COMPLETIONS, body)
+    assert status == 200
+    assert "router_hint" in caplog.text
+
+
+async def test_models_and_health(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.get(url + "/v1/models") as response:
+        models = await response.json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "kvguard/fake-model"
+    assert models["data"][0]["max_model_len"] == 256
+    async with session.get(url + "/health") as response:
+        assert response.status == 200
+
+
+def assert_vllm_error(
+    answer: dict, status: int, err_type: str, param: str | None
+) -> None:
+    assert set(answer) == {"error"}
+    error = answer["error"]
+    assert list(error) == ["message", "type", "param", "code"]
+    assert (error["type"], error["code"], error["param"]) == (err_type, status, param)
+    assert error["message"]
+
+
+BAD_REQUESTS = [
+    pytest.param(COMPLETIONS, {}, "prompt", id="completion-without-prompt"),
+    pytest.param(CHAT, {"max_tokens": 3}, "body.messages", id="chat-without-messages"),
+    pytest.param(
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": "many"},
+        "body.max_tokens",
+        id="max-tokens-not-int",
+    ),
+    pytest.param(CHAT, {"messages": "hello"}, "body.messages", id="messages-not-list"),
+    pytest.param(
+        CHAT, {"messages": [{"content": "hi"}]}, "body.messages.0.role", id="no-role"
+    ),
+    pytest.param(COMPLETIONS, {"prompt": 7}, "body.prompt", id="prompt-not-text"),
+    pytest.param(COMPLETIONS, {"prompt": [1, 300]}, "prompt", id="token-out-of-vocab"),
+    pytest.param(
+        COMPLETIONS, {"prompt": "x" * 300}, "input_tokens", id="prompt-too-long"
+    ),
+    pytest.param(
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": -1},
+        "max_tokens",
+        id="negative-max-tokens",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+        id="stream-options-without-stream",
+    ),
+    pytest.param(COMPLETIONS, [1, 2], "body", id="body-not-object"),
+    pytest.param(
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages",
+        id="image-content",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+async def test_malformed_request_gets_a_400_and_the_engine_keeps_serving(
+    session: aiohttp.ClientSession, url: str, path: str, body: object, param: str
+) -> None:
+    status, answer = await post(session, url + path, body)
+    assert status == 400
+    assert_vllm_error(answer, 400, "BadRequestError", param)
+    status, _ = await post(session, url + COMPLETIONS, completion_body(max_tokens=2))
+    assert status == 200
+
+
+async def test_bad_json_gets_vllms_validation_error(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(
+        url + COMPLETIONS, data=b'{"prompt": ', headers=headers
+    ) as r:
+        assert r.status == 400
+        answer = await r.json()
+    assert_vllm_error(answer, 400, "BadRequestError", answer["error"]["param"])
+    assert "JSON decode error" in answer["error"]["message"]
+    async with session.post(url + COMPLETIONS, data=b"prompt=x") as r:
+        assert r.status == 400
+        assert (
+            "Only 'application/json' is allowed" in (await r.json())["error"]["message"]
+        )
+
+
+async def test_unknown_model_gets_a_404(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, answer = await post(session, url + CHAT, chat_body(model="gpt-9"))
+    assert status == 404
+    assert_vllm_error(answer, 404, "NotFoundError", "model")
+    assert "`gpt-9` does not exist" in answer["error"]["message"]
+
+
+async def test_unknown_route_answers_as_fastapi(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    async with session.get(url + "/v1/nothing") as response:
+        assert response.status == 404
+        assert await response.json() == {"detail": "Not Found"}
+
+
+async def test_abort_route_refuses_malformed_bodies(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    path = url + "/inference/v1/abort_requests"
+    status, answer = await post(session, path, {"ids": []})
+    assert status == 400
+    assert answer["error"]["message"] == "Missing 'request_ids' in request body"
+    status, answer = await post(session, path, {"request_ids": [1]})
+    assert status == 400
+    status, answer = await post(session, path, {"request_ids": ["nobody"]})
+    assert (status, answer) == (200, None)
+
+
+async def test_fault_admin_is_off_unless_enabled(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, _ = await post(session, url + "/kvguard/faults", {"fault": "bitflip"})
+    assert status == 404
+
+
+async def test_fault_admin_validates_and_reports(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(EngineSpec(enable_fault_admin=True)) as urls:
+        path = urls[0] + "/kvguard/faults"
+        status, answer = await post(session, path, {"fault": "meltdown"})
+        assert status == 400 and answer["error"]["param"] == "body.fault"
+        status, answer = await post(session, path, {"fault": "zero", "rate": 2})
+        assert status == 400
+        status, answer = await post(
+            session,
+            path,
+            {"fault": "zero", "side": "consumer", "rate": 0.5, "count": 3},
+        )
+        assert status == 200
+        async with session.get(path) as response:
+            state = await response.json()
+        assert state == {
+            "fault": "zero",
+            "side": "consumer",
+            "rate": 0.5,
+            "count": 3,
+            "delay_s": 1.0,
+            "remaining": 3,
+            "injected": {},
+        }

@@ -1,0 +1,116 @@
+"""A prefill holds its KV blocks for the decode until they are pulled, the
+request is aborted (by the caller's id or the prefill's own), or the lease
+ends — read from /metrics — and a stopped engine lets the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from fake_engine_helpers import COMPLETIONS, completion_body, metric, post, prefill
+
+from fake_engine.config import Role
+from fake_engine.testing import EngineSpec, fake_engines
+
+HELD = "kvguard_kv_blocks_held"
+ABORT = "/inference/v1/abort_requests"
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+async def test_held_blocks_drop_to_zero_after_the_pull(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(
+        EngineSpec(role=Role.PRODUCER), EngineSpec(role=Role.CONSUMER)
+    ) as urls:
+        params = await prefill(session, urls[0], COMPLETIONS, completion_body())
+        assert await metric(session, urls[0], HELD) == 5
+        status, _ = await post(
+            session,
+            urls[1] + COMPLETIONS,
+            {**completion_body(), "kv_transfer_params": params},
+        )
+        assert status == 200
+        assert await metric(session, urls[0], HELD) == 0
+        # A second pull of the same KV finds nothing: the load fails.
+        status, answer = await post(
+            session,
+            urls[1] + COMPLETIONS,
+            {**completion_body(), "kv_transfer_params": params},
+        )
+        assert status == 500 and "404" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("by", ["caller-id", "remote-request-id"])
+async def test_held_blocks_drop_to_zero_after_abort(
+    session: aiohttp.ClientSession, by: str
+) -> None:
+    async with fake_engines(EngineSpec(role=Role.PRODUCER)) as urls:
+        params = await prefill(
+            session, urls[0], COMPLETIONS, completion_body(), "job-1"
+        )
+        assert await metric(session, urls[0], HELD) == 5
+        request_id = "job-1" if by == "caller-id" else params["remote_request_id"]
+        status, _ = await post(session, urls[0] + ABORT, {"request_ids": [request_id]})
+        assert status == 200
+        assert await metric(session, urls[0], HELD) == 0
+        assert await metric(session, urls[0], "kvguard_requests_aborted_total") == 1
+
+
+async def test_held_blocks_drop_to_zero_when_the_lease_ends(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(EngineSpec(role=Role.PRODUCER, lease_s=0.2)) as urls:
+        await prefill(session, urls[0], COMPLETIONS, completion_body())
+        await prefill(session, urls[0], COMPLETIONS, completion_body(prompt="short"))
+        assert await metric(session, urls[0], HELD) == 6
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if await metric(session, urls[0], HELD) == 0:
+                break
+        assert await metric(session, urls[0], HELD) == 0
+
+
+async def test_plain_and_aborted_requests_hold_nothing(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(EngineSpec(role=Role.PRODUCER)) as urls:
+        assert (await post(session, urls[0] + COMPLETIONS, completion_body()))[0] == 200
+        assert await metric(session, urls[0], HELD) == 0
+        engine = urls.engine(0)
+        assert engine.kv.pool.num_free == engine.kv.pool.num_usable
+
+
+async def test_a_stopped_engine_refuses_connections_and_the_others_serve(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(EngineSpec(), EngineSpec()) as urls:
+        await urls.stop(1)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await post(session, urls[1] + COMPLETIONS, completion_body())
+        assert (await post(session, urls[0] + COMPLETIONS, completion_body()))[0] == 200
+
+
+async def test_a_prefill_waiting_for_blocks_runs_once_held_kv_is_dropped(
+    session: aiohttp.ClientSession,
+) -> None:
+    # 7 usable blocks: one held prompt of 5 leaves too few for another.
+    producer = EngineSpec(role=Role.PRODUCER, num_blocks=8, max_model_len=96)
+    async with fake_engines(producer) as urls:
+        params = await prefill(session, urls[0], COMPLETIONS, completion_body())
+        second = asyncio.create_task(
+            prefill(session, urls[0], COMPLETIONS, completion_body(prompt="x" * 70))
+        )
+        done, _ = await asyncio.wait({second}, timeout=0.3)
+        assert not done
+        status, _ = await post(
+            session, urls[0] + ABORT, {"request_ids": [params["remote_request_id"]]}
+        )
+        assert status == 200
+        assert (await asyncio.wait_for(second, 5))["remote_num_tokens"] == 70

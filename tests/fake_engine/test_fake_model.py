@@ -1,0 +1,157 @@
+"""The fake engine's parts without HTTP: tokenizer and chat template, the
+model's KV and its reading of the cache, TP workers, the KV wire format,
+and the fault injector's corruptions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
+from fake_engine.faults import Fault, FaultInjector
+from fake_engine.model import FakeModel
+from fake_engine.tokenizer import (
+    EOS_TOKEN_ID,
+    ChatTemplateError,
+    apply_chat_template,
+    decode,
+    encode,
+)
+from fake_engine.transfer import (
+    KVHeader,
+    PullRequest,
+    TransferError,
+    decode_kv,
+    decode_pull_request,
+    encode_kv,
+    encode_pull_request,
+)
+from fake_engine.workers import TPWorker
+
+
+def test_tokenizer_round_trips_utf8_and_skips_eos() -> None:
+    text = "Grüße, KV! 🚀"
+    assert decode(encode(text)) == text
+    assert len(encode("abc")) == 3
+    assert decode([*encode("ok"), EOS_TOKEN_ID]) == "ok"
+    assert decode([*encode("ok"), EOS_TOKEN_ID], skip_special_tokens=False) == "ok</s>"
+
+
+def test_chat_template_renders_roles_and_the_generation_prompt() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    assert apply_chat_template(messages) == (
+        "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    )
+    with pytest.raises(ChatTemplateError):
+        apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_kv_of_a_token_depends_on_its_whole_prefix() -> None:
+    model = FakeModel(EngineConfig())
+    a = model.kv(model.prefix_hashes(encode("xyz"), None))
+    b = model.kv(model.prefix_hashes(encode("wyz"), None))
+    again = model.kv(model.prefix_hashes(encode("xyz"), None))
+    assert torch.equal(a, again)
+    # Same last tokens, other first token: every position differs.
+    assert all(not torch.equal(a[t], b[t]) for t in range(3))
+    # Continuing a prefix gives the same KV as hashing it whole.
+    first = model.prefix_hashes(encode("xy"), None)
+    assert (
+        model.prefix_hashes(encode("z"), first[-1])
+        == model.prefix_hashes(encode("xyz"), None)[2:]
+    )
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_workers_shard_heads_and_replicate_beyond_them(tp_size: int) -> None:
+    config = EngineConfig(kv_heads=2, tp_size=tp_size, kv_checksums=False)
+    workers = [TPWorker(config, rank) for rank in range(tp_size)]
+    model = FakeModel(config)
+    kv = model.kv(model.prefix_hashes(encode("some tokens"), None))
+    slots = torch.arange(16, 16 + len(kv))
+    for worker in workers:
+        worker.write(slots, kv)
+    heads = sorted(h for w in workers if w.replica_index == 0 for h in w.heads.tolist())
+    assert heads == [0, 1]
+    for worker in workers:
+        assert torch.equal(worker.read(slots), kv[:, :, worker.heads])
+    assert {w.replica_index for w in workers} == set(range(max(1, tp_size // 2)))
+
+
+def test_a_flipped_bit_in_the_cache_changes_the_digest() -> None:
+    config = EngineConfig(kv_checksums=False)
+    model = FakeModel(config)
+    kv = model.kv(model.prefix_hashes(encode("prompt"), None))
+    heads = torch.arange(config.kv_heads)
+    clean = model.head_digests(kv, heads)
+    kv[3, 1, 0, 1].view(torch.uint8)[5] ^= 4
+    assert not torch.equal(model.head_digests(kv, heads)[3], clean[3])
+    assert torch.equal(model.head_digests(kv, heads)[:3], clean[:3])
+
+
+def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
+    config = EngineConfig()
+    model = FakeModel(config)
+    kv = model.kv(model.prefix_hashes(encode("x" * 32), None))
+    header = KVHeader(1, "eng", "req", 30, 16, 2, 2, 2, 16, "float16")
+    data = bytearray(b"".join(bytes(part) for part in encode_kv(header, kv)))
+    got_header, got = decode_kv(data, header)
+    assert got_header == header and torch.equal(got, kv)
+    other = KVHeader(1, "", "", 0, 16, 0, 3, 2, 16, "float16")
+    with pytest.raises(TransferError, match="not this model's"):
+        decode_kv(data, other)
+    with pytest.raises(TransferError):
+        decode_kv(data[:-1], header)
+    with pytest.raises(TransferError):
+        decode_kv(bytearray(b"\x01"), header)
+    pull = PullRequest("eng", "req", [[1, 2]])
+    assert decode_pull_request(encode_pull_request(pull)) == pull
+    with pytest.raises(TransferError):
+        decode_pull_request(b"garbage")
+
+
+@pytest.mark.parametrize("kind", [k for k in FaultKind if k.corrupts])
+def test_each_corruption_changes_kv_the_consumer_uses(kind: FaultKind) -> None:
+    model = FakeModel(EngineConfig())
+    num_tokens = 40
+    kv = model.kv(model.prefix_hashes(encode("k" * num_tokens), None))
+    padded = torch.zeros((48, *kv.shape[1:]), dtype=kv.dtype)
+    padded[:num_tokens] = kv
+    stale = model.kv(model.prefix_hashes(encode("s" * 16), None))
+    corrupted = padded.clone()
+    FaultInjector.corrupt(
+        Fault(kind, 7), corrupted, num_tokens, 16, lambda n: stale[:n]
+    )
+    # The last prompt token is recomputed by the consumer: not counted.
+    assert not torch.equal(corrupted[: num_tokens - 1], padded[: num_tokens - 1])
+
+
+def test_fault_injector_honours_side_rate_and_count() -> None:
+    injector = FaultInjector(FaultConfig(FaultKind.ZERO, FaultSide.CONSUMER, count=2))
+    assert injector.draw(FaultSide.PRODUCER).kind is FaultKind.NONE
+    draws = [injector.draw(FaultSide.CONSUMER).kind for _ in range(3)]
+    assert draws == [FaultKind.ZERO, FaultKind.ZERO, FaultKind.NONE]
+    assert injector.injected == {("zero", "consumer"): 2}
+    injector.configure(FaultConfig(FaultKind.ZERO, rate=0.5))
+    draws = [injector.draw(FaultSide.PRODUCER).kind for _ in range(400)]
+    hits = draws.count(FaultKind.ZERO)
+    assert 150 < hits < 250
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kv_heads": 3, "tp_size": 2},
+        {"tp_size": 3, "kv_heads": 2},
+        {"head_size": 2},
+        {"num_blocks": 4, "max_model_len": 2048},
+        {"dtype": "int4"},
+        {"lease_s": 0},
+    ],
+)
+def test_inconsistent_config_is_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(**bad)
