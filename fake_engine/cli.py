@@ -32,6 +32,7 @@ def _on_off(value: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvguard fake-engine",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=(
             "A CPU stand-in for a vLLM OpenAI server in a P/D deployment "
             "(NixlConnector pull mode) that checksums and verifies its KV "

@@ -224,7 +224,10 @@ class Engine:
     # Life cycle.
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession()
+        # No overall timeout: a transfer that hangs hangs, as a NIXL read can;
+        # the request's client or an abort ends it.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self._session = aiohttp.ClientSession(timeout=timeout)
         self._tasks = [
             asyncio.create_task(self._step_loop(), name="fake-engine-steps"),
             asyncio.create_task(self._lease_loop(), name="fake-engine-leases"),
@@ -351,9 +354,13 @@ class Engine:
                 result = await loop.run_in_executor(self._executor, self._execute, step)
             except Exception:
                 logger.exception("Engine step failed.")
-                for item in step.scheduled:
+                failed = [item.request for item in step.scheduled]
+                failed += [
+                    r for i in step.finished_loads if (r := self._loading.get(i))
+                ]
+                for request in failed:
                     self._finish(
-                        item.request, FinishReason.ERROR, error="engine step failed"
+                        request, FinishReason.ERROR, error="engine step failed"
                     )
                 continue
             # The step's outputs come when its simulated compute is over.

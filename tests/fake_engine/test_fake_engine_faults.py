@@ -330,3 +330,22 @@ async def test_client_that_gives_up_aborts_its_request(
             await asyncio.sleep(0.05)
         assert await metric(session, urls[1], "kvguard_requests_aborted_total") == 1
         assert await metric(session, urls[1], "vllm:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("policy", list(KVLoadFailurePolicy))
+async def test_load_from_a_stopped_prefill_follows_the_failure_policy(
+    session: aiohttp.ClientSession, policy: KVLoadFailurePolicy
+) -> None:
+    async with fake_engines(*pd_specs(FaultConfig(), policy=policy)) as urls:
+        _, alone = await post(session, urls[2] + COMPLETIONS, completion_body())
+        params = await prefill(session, urls[0], COMPLETIONS, completion_body())
+        await urls.stop(0)
+        body = {**completion_body(), "kv_transfer_params": params}
+        status, answer = await post(session, urls[1] + COMPLETIONS, body)
+        if policy is FAIL:
+            assert status == 500
+            assert answer["error"]["message"].startswith("KV transfer failed")
+            assert "KV checksum mismatch" not in answer["error"]["message"]
+        else:
+            assert status == 200
+            assert text_of(answer) == text_of(alone)

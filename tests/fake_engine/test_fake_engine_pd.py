@@ -55,7 +55,7 @@ async def session():
         pytest.param({"max_num_batched_tokens": 16}, {}, id="chunked-prefill"),
     ],
 )
-async def test_pd_text_equals_monolithic_across_tp_and_block_sizes(
+async def test_pd_text_equals_monolithic_streamed_or_not_completion_or_chat(
     session: aiohttp.ClientSession, producer: dict, consumer: dict
 ) -> None:
     specs = (
@@ -65,20 +65,29 @@ async def test_pd_text_equals_monolithic_across_tp_and_block_sizes(
         EngineSpec(**producer),
     )
     async with fake_engines(*specs) as urls:
-        status, alone = await post(session, urls[2] + COMPLETIONS, completion_body())
-        assert status == 200
-        _, producer_alone = await post(
-            session, urls[3] + COMPLETIONS, completion_body()
+        prefill_url, decode_url, alone_url, producer_alone_url = urls
+        for path, body_of in ((COMPLETIONS, completion_body), (CHAT, chat_body)):
+            _, alone = await post(session, alone_url + path, body_of())
+            _, producer_alone = await post(
+                session, producer_alone_url + path, body_of()
+            )
+            assert text_of(alone) == text_of(producer_alone)
+            assert len(text_of(alone)) == 12
+            status, decoded = await pd(
+                session, prefill_url, decode_url, path, body_of()
+            )
+            assert status == 200, decoded
+            assert text_of(decoded) == text_of(alone)
+            assert decoded["kv_transfer_params"] is None
+            params = await prefill(session, prefill_url, path, body_of())
+            body = {**body_of(stream=True), "kv_transfer_params": params}
+            status, events = await stream(session, decode_url + path, body)
+            assert status == 200 and events[-1] == "[DONE]"
+            assert streamed_text(events) == text_of(alone)
+        assert (
+            await metric(session, decode_url, "kvguard_kv_checksum_verified_total") == 4
         )
-        status, decoded = await pd(
-            session, urls[0], urls[1], COMPLETIONS, completion_body()
-        )
-        assert status == 200, decoded
-        assert text_of(decoded) == text_of(alone) == text_of(producer_alone)
-        assert len(text_of(decoded)) == 12
-        assert decoded["kv_transfer_params"] is None
-        assert await metric(session, urls[1], "kvguard_kv_checksum_verified_total") == 1
-        assert await metric(session, urls[0], "kvguard_kv_checksum_sent_total") == 1
+        assert await metric(session, prefill_url, "kvguard_kv_checksum_sent_total") == 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
