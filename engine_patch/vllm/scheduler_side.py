@@ -1,0 +1,244 @@
+"""KVGuard in vLLM's scheduler process: drives engine_patch's
+:class:`~engine_patch.scheduler.KVChecksumScheduler` from the connector
+calls vLLM makes, around the inner connector's.
+
+vLLM 0.32's ``Scheduler.update_from_output`` calls a finished request's
+``request_finished*`` before ``update_connector_output`` brings the step's
+worker results, and handles failed loads before either. So:
+
+- a producer's checksums, computed in the step that finishes its prompt,
+  arrive after ``request_finished``: the request's ``kv_transfer_params``
+  dict is kept and filled in ``update_connector_output`` (same call, before
+  the step's outputs leave the engine);
+- a consumer's finished load is held back by the workers until the scheduler
+  has verified it and sent its verdict in the next step's metadata; a failed
+  verification then reaches vLLM as a failed load (``failed_recving``), which
+  vLLM handles by its ``kv_load_failure_policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine_patch.scheduler import KVChecksumScheduler
+from engine_patch.stats import KVChecksumStats
+from engine_patch.types import KVChecksumRecord
+from engine_patch.vllm.host import ConnectorHooks, RequestAt, convert_kv_cache_config
+from engine_patch.vllm.metadata import KVGuardWorkerMetadata
+from engine_patch.vllm.stats import checksum_deltas, snapshot
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from engine_patch.types import KVChecksumScheduled
+    from engine_patch.vllm.config import KVGuardSettings
+
+logger = logging.getLogger(__name__)
+
+# Starts the error message of a load KVGuard fails: what the proxy matches.
+CHECKSUM_FAILURE_TEXT = "KV checksum mismatch"
+
+
+@dataclass
+class _StepOutput:
+    """A step's connector output as the checksum scheduler reads it
+    (``engine_patch.host.KVConnectorOutput``)."""
+
+    kv_checksums: Sequence[KVChecksumRecord]
+    finished_recving: Collection[str]
+
+
+@dataclass
+class _Finished:
+    """A finished request whose checksums are sent once the step's worker
+    results are in."""
+
+    request: Request
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass
+class _Loads:
+    """Finished loads the workers hold back, by request id."""
+
+    # Workers that reported the load checksummed.
+    reported: Counter[str] = field(default_factory=Counter)
+    # Verdicts for the workers' next metadata: whether the load failed.
+    verdicts: dict[str, bool] = field(default_factory=dict)
+
+
+class KVGuardScheduler:
+    """The scheduler-side checksum logic of one engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        inner: KVConnectorBase_V1,
+        settings: KVGuardSettings,
+    ) -> None:
+        config = settings.checksum_config(vllm_config)
+        self._num_workers = config.tp_size * config.pp_size
+        self._checksums = KVChecksumScheduler.create(
+            config,
+            convert_kv_cache_config(kv_cache_config, fail_closed=config.fail_closed),
+            ConnectorHooks(inner),
+        )
+        self._kv_cache_manager: KVCacheManager | None = None
+        # Producer requests that may send KV, by id.
+        self._producers: dict[str, Request] = {}
+        # Per request: the locally computed tokens its connector lookup saw.
+        self._num_local_tokens: dict[str, int] = {}
+        self._finished: list[_Finished] = []
+        self._loads = _Loads()
+        # Loads failed since the last stats, with their error messages.
+        self._failed_loads: dict[str, str] = {}
+        self._reported = snapshot(KVChecksumStats())
+
+    @property
+    def enabled(self) -> bool:
+        return self._checksums is not None
+
+    @property
+    def stats(self) -> KVChecksumStats:
+        """Outcomes since start."""
+        return self._checksums.stats if self._checksums else KVChecksumStats()
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        """Before the inner connector sees it (NIXL clears a consumer's
+        ``do_remote_prefill`` once its load starts)."""
+        if self._checksums is None:
+            return
+        self._checksums.on_new_request(request)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._producers[request.request_id] = request
+
+    def on_matched_tokens(self, request: Request, num_computed_tokens: int) -> None:
+        """The locally computed tokens the connector's lookup was given: the
+        start of a load that follows."""
+        if self._checksums is not None:
+            self._num_local_tokens[request.request_id] = num_computed_tokens
+
+    def on_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """After the inner connector's ``update_state_after_alloc``: a load of
+        ``num_external_tokens`` starts."""
+        if self._checksums is None or num_external_tokens <= 0:
+            return
+        num_local = self._num_local_tokens.get(request.request_id, 0)
+        self._checksums.add_recv(
+            RequestAt(request, num_local + num_external_tokens), blocks, num_local
+        )
+
+    def build_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
+        """The step's checksums for the workers, and the verdicts they wait for.
+
+        Runs before vLLM counts the step's tokens in ``num_computed_tokens``.
+        """
+        if self._checksums is None:
+            return None, {}
+        assert self._kv_cache_manager is not None
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._producers.get(req_id)
+            if request is not None:
+                self._checksums.add_send(
+                    RequestAt(request, request.num_computed_tokens + num_tokens),
+                    num_tokens,
+                    self._kv_cache_manager,
+                )
+        verdicts, self._loads.verdicts = self._loads.verdicts, {}
+        return self._checksums.build_checksum_meta(), verdicts
+
+    def on_request_finished(
+        self, request: Request, kv_transfer_params: dict[str, Any] | None
+    ) -> None:
+        """After the inner connector's ``request_finished*``: the request's
+        checksums go into ``kv_transfer_params`` once the step's results are
+        in (:meth:`on_step_output`)."""
+        self._producers.pop(request.request_id, None)
+        self._num_local_tokens.pop(request.request_id, None)
+        if self._checksums is not None:
+            self._finished.append(_Finished(request, kv_transfer_params))
+
+    def on_step_output(
+        self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
+    ) -> None:
+        """Take the workers' checksums, verify the loads every worker has
+        checksummed, and send the checksums of the requests that finished."""
+        if self._checksums is None:
+            return
+        records: list[KVChecksumRecord] = []
+        complete: set[str] = set()
+        for report in meta.reports if meta is not None else ():
+            if report.record is not None:
+                records.append(report.record)
+            for req_id in report.finished_loads:
+                self._loads.reported[req_id] += 1
+                if self._loads.reported[req_id] >= self._num_workers:
+                    del self._loads.reported[req_id]
+                    complete.add(req_id)
+        # vLLM already failed these: nothing to verify, the state is dropped.
+        failed_by_inner = set(output.failed_recving or ())
+        stats = self._checksums.stats
+        mismatches, unverified = stats.mismatch, Counter(stats.unverified)
+        failed = self._checksums.update_from_output(
+            _StepOutput(records, complete | failed_by_inner), failed_by_inner
+        )
+        for req_id in complete:
+            self._loads.verdicts[req_id] = req_id in failed
+        if failed:
+            # Which outcome failed the loads, where the counts tell (as the
+            # fake engine words it).
+            new_reasons = sorted(stats.unverified - unverified)
+            why = "failed verification"
+            if stats.mismatch > mismatches and not new_reasons:
+                why = "does not match the producer's checksums"
+            elif new_reasons and stats.mismatch == mismatches:
+                why = f"could not be verified: {'; '.join(new_reasons)}"
+            for req_id in sorted(failed):
+                message = (
+                    f"{CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} {why}"
+                )
+                self._failed_loads[req_id] = message
+                logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
+        self.flush_finished()
+
+    def flush_finished(self) -> None:
+        """Send the checksums of the requests finished since the last call."""
+        if self._checksums is None:
+            return
+        finished, self._finished = self._finished, []
+        for item in finished:
+            self._checksums.request_finished(item.request, item.kv_transfer_params)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """Outcome counts since the last call, or None if none changed."""
+        if self._checksums is None:
+            return None
+        now = self._checksums.stats
+        counts = checksum_deltas(now, self._reported)
+        counts["failed_loads"] = len(self._failed_loads)
+        counts["failed_requests"], self._failed_loads = self._failed_loads, {}
+        self._reported = snapshot(now)
+        if not any(
+            counts[key] for key in ("verified", "mismatch", "sent", "failed_loads")
+        ) and not (counts["unverified"] or counts["not_sent"]):
+            return None
+        return counts

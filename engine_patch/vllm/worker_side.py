@@ -1,0 +1,215 @@
+"""KVGuard in a vLLM worker: checksums the KV tensors vLLM registers with
+engine_patch's :class:`~engine_patch.worker.KVChecksumWorker`, and holds
+each finished load back from vLLM until the scheduler's verdict on it.
+
+Per step vLLM calls, in order: ``bind_connector_metadata`` (the scheduler's
+checksums and verdicts), the forward, ``start_load_kv``, ``wait_for_save``
+(a producer's prompt KV is final: checksummed), ``get_transfer_results``
+(finished loads are checksummed before any later step can write their
+blocks, and held; loads with a verdict are released, failed ones as failed
+loads), ``build_connector_worker_meta`` (the step's checksums).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
+from engine_patch.vllm.host import convert_kv_cache_config, kv_layers
+from engine_patch.vllm.metadata import WorkerReport
+from engine_patch.worker import KVChecksumWorker, KVLayer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from engine_patch.vllm.config import KVGuardSettings
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def _enable_amx() -> None:
+    """Ask Linux for AMX tile state on CPUs that have it.
+
+    vLLM 0.32's CPU attention runs AMX kernels without asking, which raises
+    SIGILL in a process whose first forward is a decode of loaded KV (a P/D
+    consumer): nothing had asked yet (oneDNN does, for prefill matmuls).
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
+
+
+def _block_bytes(layers: Iterable[KVLayer]) -> dict[int, int]:
+    """Per group, the bytes of one block over its distinct KV tensors."""
+    seen: set[tuple[int, int]] = set()
+    sizes: dict[int, int] = {}
+    for layer in layers:
+        key = (layer.kv.untyped_storage().data_ptr(), layer.kv.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        sizes[layer.group_id] = (
+            sizes.get(layer.group_id, 0) + layer.kv[0].numel() * layer.kv.element_size()
+        )
+    return sizes
+
+
+class KVGuardWorker:
+    """The worker-side checksum logic of one worker."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        settings: KVGuardSettings,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._settings = settings
+        config = settings.checksum_config(vllm_config)
+        self._enabled = config.enabled
+        self._covered = convert_kv_cache_config(
+            kv_cache_config, fail_closed=config.fail_closed
+        ).transfer_group_ids
+        self._checksums: KVChecksumWorker | None = None
+        self._layers: list[KVLayer] = []
+        self._block_bytes: dict[int, int] = {}
+        # Loads the scheduler asked to checksum, by request id: their blocks.
+        self._loads: dict[str, KVChecksumBlocks] = {}
+        # Checksummed loads held back from vLLM until their verdicts.
+        self._held: set[str] = set()
+        self._verdicts: dict[str, bool] = {}
+        self._finished_loads: list[str] = []
+        self._bytes = 0
+        self._seconds = 0.0
+        if vllm_config.device_config.device_type == "cpu":
+            _enable_amx()
+
+    @property
+    def layers(self) -> list[KVLayer]:
+        """The KV layers checksummed (empty before registration)."""
+        return self._layers
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Plan the checksums of the KV tensors vLLM allocated.
+
+        Raises:
+            UnsupportedKVCacheError: If a covered layer's tensor is not in the
+                layout vLLM 0.32 documents.
+        """
+        if not self._enabled:
+            return
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank = get_tp_group().rank_in_group
+        self._layers = kv_layers(
+            self._vllm_config,
+            self._kv_cache_config,
+            kv_caches,
+            covered_groups=set(self._covered),
+            tp_rank=tp_rank,
+        )
+        self._block_bytes = _block_bytes(self._layers)
+        self._checksums = KVChecksumWorker(
+            self._layers,
+            tp_rank=tp_rank,
+            pp_rank=get_pp_group().rank_in_group,
+            compile=self._settings.kv_checksums.compile,
+        )
+        logger.info(
+            "KVGuard checksums %d KV layers (groups %s; skipped %s).",
+            len(self._layers),
+            sorted(self._block_bytes),
+            sorted(self._checksums.skipped_groups),
+        )
+
+    def begin_step(
+        self, scheduled: KVChecksumScheduled | None, verdicts: Mapping[str, bool]
+    ) -> None:
+        """Take the scheduler's checksums and verdicts for this step."""
+        self._verdicts.update(verdicts)
+        if self._checksums is None:
+            return
+        if scheduled is not None:
+            self._loads.update(scheduled.reqs_to_recv)
+            self._loads.update(scheduled.reqs_to_load)
+            self._count_bytes(scheduled.reqs_to_send.values())
+        self._checksums.begin_step(scheduled)
+
+    def after_forward(self) -> None:
+        """The step's prompts are final: checksum the sends."""
+        if self._checksums is not None:
+            self._timed(self._checksums.after_forward)
+
+    def on_transfer_results(
+        self, results: KVConnectorTransferResults, finished_req_ids: set[str]
+    ) -> None:
+        """Checksum and hold the loads the inner connector finished; release
+        those with verdicts (a failed verdict as a failed load). Edits
+        ``results`` in place."""
+        if self._checksums is not None:
+            done = [
+                req_id
+                for req_id in results.finished_recving - results.failed_recving
+                if req_id in self._loads
+            ]
+            for req_id in results.failed_recving:
+                # The inner connector failed it: vLLM handles it, unchecked.
+                self._loads.pop(req_id, None)
+            if done:
+                loads = {req_id: self._loads.pop(req_id) for req_id in done}
+                self.before_checksum(loads)
+                self._count_bytes(loads.values())
+                checksums = self._checksums
+                self._timed(lambda: checksums.on_loads_finished(done))
+                results.finished_recving.difference_update(done)
+                self._held.update(done)
+                self._finished_loads.extend(done)
+            self._checksums.request_finished(finished_req_ids)
+        for req_id in [r for r in self._held if r in self._verdicts]:
+            self._held.discard(req_id)
+            results.finished_recving.add(req_id)
+            if self._verdicts.pop(req_id):
+                results.failed_recving.add(req_id)
+
+    def before_checksum(self, loads: Mapping[str, KVChecksumBlocks]) -> None:
+        """Hook for fault injection: the loads about to be checksummed."""
+
+    def take_report(self) -> WorkerReport | None:
+        """The step's checksums and checksummed loads, if any."""
+        if self._checksums is None:
+            return None
+        record = self._timed(self._checksums.take_record)
+        finished, self._finished_loads = self._finished_loads, []
+        if record is None and not finished:
+            return None
+        return WorkerReport(record, finished)
+
+    def take_stats(self) -> tuple[int, float]:
+        """Bytes checksummed and seconds spent since the last call."""
+        taken = (self._bytes, self._seconds)
+        self._bytes, self._seconds = 0, 0.0
+        return taken
+
+    def _count_bytes(self, requests: Iterable[KVChecksumBlocks]) -> None:
+        for blocks in requests:
+            for group_id, (_, block_ids) in blocks.groups.items():
+                self._bytes += len(block_ids) * self._block_bytes.get(group_id, 0)
+
+    def _timed(self, fn: Callable[[], _T]) -> _T:
+        """``fn()``, its time added to the checksum time."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._seconds += time.perf_counter() - start

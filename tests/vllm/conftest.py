@@ -1,0 +1,50 @@
+"""Fixtures of the real-vLLM tests (``make test-vllm``): one producer and one
+consumer vLLM instance kept up across the tests, and the KVGuard proxy.
+
+Collected only where vLLM is installed; the default suite deselects them
+(marker ``vllm``) anyway.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import AsyncIterator
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    import aiohttp
+    import pytest_asyncio
+    from vllm_servers import Pair, ensure_model
+
+    @pytest_asyncio.fixture(scope="session", loop_scope="session")
+    async def http() -> AsyncIterator[aiohttp.ClientSession]:
+        async with aiohttp.ClientSession() as session:
+            yield session
+
+    @pytest_asyncio.fixture(scope="session", loop_scope="session")
+    async def pair(http: aiohttp.ClientSession) -> AsyncIterator[Pair]:
+        ensure_model()
+        servers = Pair.create(http)
+        try:
+            yield servers
+        finally:
+            servers.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm: needs real vLLM (make test-vllm)")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The vLLM servers' startup times (launch to /health)."""
+    if importlib.util.find_spec("vllm") is None:
+        return
+    from vllm_servers import STARTUPS
+
+    if STARTUPS:
+        terminalreporter.section("vLLM startup times")
+        for name, seconds in STARTUPS:
+            terminalreporter.write_line(f"{name}: {seconds:.1f} s")

@@ -1,0 +1,320 @@
+"""KVGuard's vLLM plugin in pieces: its configuration, fault injection,
+stats and error messages (vLLM imported, no server), and a real server
+refusing a bad configuration at startup."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+)
+from vllm_servers import MIDDLEWARE, WORK_DIR, EngineSpec, VllmServer, free_port
+
+from engine_patch.vllm import errors
+from engine_patch.vllm.config import (
+    FaultSettings,
+    KVGuardConfigError,
+    inner_transfer_config,
+    parse_settings,
+)
+from engine_patch.vllm.fault import flip_bit
+from engine_patch.vllm.stats import KVGuardConnectorStats
+
+pytestmark = pytest.mark.vllm
+
+
+def transfer_config(extra: dict[str, Any], **fields: Any) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="KVGuardConnector",
+        kv_connector_module_path="engine_patch.vllm",
+        kv_role=fields.pop("kv_role", "kv_consumer"),
+        kv_connector_extra_config=extra,
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_defaults_wrap_nixl_with_fail_open_checksums() -> None:
+    settings = parse_settings(transfer_config({}))
+    assert settings.inner == {"kv_connector": "NixlConnector"}
+    assert settings.kv_checksums.enabled
+    assert not settings.kv_checksums.fail_closed
+    assert settings.fault_injection is None
+
+
+def test_inner_config_inherits_role_engine_and_failure_policy() -> None:
+    outer = transfer_config(
+        {"inner": {"kv_connector": "NixlConnector", "kv_port": 9999}},
+        kv_role="kv_producer",
+        kv_buffer_device="cpu",
+        kv_load_failure_policy="recompute",
+    )
+    inner = inner_transfer_config(outer, parse_settings(outer))
+    assert inner.kv_connector == "NixlConnector"
+    assert inner.kv_connector_module_path is None
+    assert inner.kv_role == "kv_producer"
+    assert inner.engine_id == outer.engine_id
+    assert inner.kv_buffer_device == "cpu"
+    assert inner.kv_load_failure_policy == "recompute"
+    assert inner.kv_port == 9999
+
+
+@pytest.mark.parametrize(
+    ("extra", "fault_injection", "message"),
+    [
+        (
+            {"kv_checksums": {"fail_closd": True}},
+            False,
+            "unknown key kv_checksums.fail_closd (known: enabled, fail_closed, "
+            "compile)",
+        ),
+        ({"checksums": {}}, False, "unknown key checksums"),
+        ({"kv_checksums": {"enabled": "maybe"}}, False, "kv_checksums.enabled"),
+        ({"inner": {}}, False, "inner.kv_connector must name the real connector"),
+        (
+            {"inner": {"kv_connector": "KVGuardConnector"}},
+            False,
+            "cannot be KVGuardConnector itself",
+        ),
+        (
+            {"fault_injection": {"loads": "all"}},
+            False,
+            "only read by KVGuardFaultInjectionConnector",
+        ),
+        ({}, True, "KVGuardFaultInjectionConnector needs fault_injection"),
+        (
+            {"fault_injection": {"loads": "some"}},
+            True,
+            "fault_injection.loads: Input should be 'all', 'every_other' or 'first'",
+        ),
+        (
+            {"fault_injection": {"loads": "all"}, "kv_checksums": {"enabled": False}},
+            True,
+            "fault_injection needs kv_checksums.enabled",
+        ),
+    ],
+)
+def test_bad_extra_config_is_a_clear_error(
+    extra: dict[str, Any], fault_injection: bool, message: str
+) -> None:
+    with pytest.raises(KVGuardConfigError) as error:
+        parse_settings(transfer_config(extra), fault_injection=fault_injection)
+    assert str(error.value).startswith("Invalid KVGuard config in --kv-transfer-config")
+    assert message in str(error.value)
+
+
+def test_inner_fields_a_transfer_config_lacks_are_a_clear_error() -> None:
+    outer = transfer_config({"inner": {"kv_connector": "NixlConnector", "port": 1}})
+    with pytest.raises(KVGuardConfigError, match=r"inner has fields .*: port"):
+        inner_transfer_config(outer, parse_settings(outer))
+
+
+async def test_a_server_with_a_bad_config_refuses_to_start_and_says_why() -> None:
+    spec = EngineSpec("consumer")
+    server = VllmServer("bad-config", free_port(), WORK_DIR / "logs" / "bad-config.log")
+    server.side_port = free_port()
+    config = spec.kv_transfer_config()
+    config["kv_connector_extra_config"]["kv_checksums"]["fail_closd"] = True
+    server.start(spec, kv_transfer_config=config)
+    assert server.process is not None
+    try:
+        returncode = await asyncio.to_thread(server.process.wait, 240)
+    except subprocess.TimeoutExpired:
+        server.stop()
+        raise
+    assert returncode != 0
+    assert (
+        "Invalid KVGuard config in --kv-transfer-config: unknown key "
+        "kv_checksums.fail_closd" in server.log_path.read_text()
+    )
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize(
+    ("settings", "corrupted"),
+    [
+        (FaultSettings(loads="all"), [1, 2, 3, 4, 5, 6]),
+        (FaultSettings(loads="every_other"), [1, 3, 5]),
+        (FaultSettings(loads="first", count=2), [1, 2]),
+        (FaultSettings(loads="first", count=0), []),
+    ],
+)
+def test_fault_settings_choose_the_loads_to_corrupt(
+    settings: FaultSettings, corrupted: list[int]
+) -> None:
+    assert [n for n in range(1, 7) if settings.corrupts(n)] == corrupted
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_flip_bit_flips_exactly_one_bit_of_the_block(dtype: torch.dtype) -> None:
+    # [blocks, heads, tokens, content], strided as vLLM's layouts can be.
+    base = torch.randn(4, 8, 2, 32).to(dtype)
+    kv = base.permute(0, 2, 1, 3)
+    before = kv.clone()
+    flip_bit(kv, 2)
+    changed = kv.contiguous().view(torch.uint8) != before.contiguous().view(torch.uint8)
+    assert changed.sum() == 1
+    xor = kv.contiguous().view(torch.uint8) ^ before.contiguous().view(torch.uint8)
+    assert int(xor.sum()) == 0x80
+    assert changed[2].any()
+
+
+# ---------------------------------------------------------------- stats
+
+
+def _stats(**counts: Any) -> KVGuardConnectorStats:
+    stats = KVGuardConnectorStats()
+    stats.counts.update(counts)
+    return stats
+
+
+def test_stats_aggregate_counts_reasons_and_inner_stats() -> None:
+    nixl = NixlKVConnectorStats()
+    nixl.record_failed_transfer()
+    first = _stats(verified=2, unverified={"a": 1}, failed_requests={"r1": "m1"})
+    first.set_inner("NixlConnector", None, nixl)
+    second = _stats(
+        verified=1, mismatch=1, unverified={"a": 1, "b": 2}, checksum_bytes=10
+    )
+    total = first.aggregate(second)
+    assert isinstance(total, KVGuardConnectorStats)
+    assert total.counts["verified"] == 3
+    assert total.counts["mismatch"] == 1
+    assert total.counts["unverified"] == {"a": 2, "b": 2}
+    assert total.counts["failed_requests"] == {"r1": "m1"}
+    assert total.counts["checksum_bytes"] == 10
+    assert total.inner is nixl
+    assert not total.is_empty()
+
+
+def test_stats_survive_serialization_with_the_inner_connectors() -> None:
+    nixl = NixlKVConnectorStats()
+    nixl.record_failed_handshake()
+    stats = _stats(mismatch=1, failed_loads=1)
+    stats.set_inner("NixlConnector", None, nixl)
+    data = json.loads(json.dumps(stats.to_dict()))
+    rebuilt = KVGuardConnectorStats.build(data)
+    assert rebuilt.counts["mismatch"] == 1
+    assert isinstance(rebuilt.inner, NixlKVConnectorStats)
+    assert rebuilt.inner.data["num_failed_handshakes"] == [1]
+    reduced = rebuilt.reduce()
+    assert reduced["mismatched"] == 1
+    assert reduced["loads failed"] == 1
+
+
+def test_empty_stats_are_empty() -> None:
+    assert KVGuardConnectorStats().is_empty()
+    assert KVGuardConnectorStats.build(None).is_empty()
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "client_id"),
+    [
+        ("cmpl-abc-1-0-1234abcd", "abc-1"),
+        ("cmpl-abc-12-1234abcd", "abc"),
+        ("chatcmpl-abc-1-1234abcd", "abc-1"),
+        ("cmpl-req-retry1-0-0f0f0f0f", "req-retry1"),
+        ("something-else", None),
+    ],
+)
+def test_engine_ids_give_back_the_client_request_id(
+    engine_id: str, client_id: str | None
+) -> None:
+    assert errors.client_request_id(engine_id) == client_id
+
+
+def test_failures_are_found_by_the_client_request_id_only() -> None:
+    errors.record_failures({"cmpl-abc-1-0-1234abcd": "KV checksum mismatch: x"})
+    assert errors.failure_for("abc-1") == "KV checksum mismatch: x"
+    assert errors.failure_for("abc") is None
+    assert errors.failure_for("bc-1") is None
+
+
+def test_rewrite_replaces_the_generic_message_in_json_and_sse() -> None:
+    body = json.dumps({"error": {"message": "Internal server error", "code": 500}})
+    rewritten = json.loads(errors.rewrite(body.encode(), "KV checksum mismatch: y"))
+    assert rewritten["error"]["message"] == "KV checksum mismatch: y"
+    event = b'data: {"error": {"message": "Internal server error"}}\n\n'
+    assert b"KV checksum mismatch: y" in errors.rewrite(
+        event, "KV checksum mismatch: y"
+    )
+
+
+def _asgi_app(status: int, chunks: list[bytes], sized: bool) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"application/json")]
+        if sized:
+            headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+        await send(
+            {"type": "http.response.start", "status": status, "headers": headers}
+        )
+        for i, chunk in enumerate(chunks):
+            more = i < len(chunks) - 1
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+
+    return app
+
+
+async def _call(app: Any, request_id: str | None) -> tuple[dict[str, Any], bytes]:
+    sent: list[dict[str, Any]] = []
+    headers = [(b"x-request-id", request_id.encode())] if request_id else []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "headers": headers}
+    await errors.KVChecksumErrorMiddleware(app)(scope, receive, send)
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start, body
+
+
+GENERIC = json.dumps({"error": {"message": "Internal server error"}}).encode()
+
+
+async def test_middleware_puts_the_reason_into_a_failed_requests_500() -> None:
+    errors.record_failures({"cmpl-req-7-0-deadbeef": "KV checksum mismatch: z"})
+    app = _asgi_app(500, [GENERIC[:10], GENERIC[10:]], sized=True)
+    start, body = await _call(app, "req-7")
+    assert json.loads(body)["error"]["message"] == "KV checksum mismatch: z"
+    length = dict(start["headers"])[b"content-length"]
+    assert int(length) == len(body)
+
+
+async def test_middleware_rewrites_a_streamed_error_event() -> None:
+    errors.record_failures({"cmpl-req-8-0-deadbeef": "KV checksum mismatch: s"})
+    event = b"data: " + GENERIC + b"\n\n"
+    _, body = await _call(_asgi_app(200, [event, b"data: [DONE]\n\n"], False), "req-8")
+    assert b"KV checksum mismatch: s" in body
+    assert body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("request_id", [None, "req-9"])
+async def test_middleware_leaves_other_errors_alone(request_id: str | None) -> None:
+    errors.record_failures({"cmpl-req-7-0-deadbeef": "KV checksum mismatch: z"})
+    start, body = await _call(_asgi_app(500, [GENERIC], sized=True), request_id)
+    assert body == GENERIC
+    assert start["status"] == 500
+
+
+def test_middleware_is_what_the_test_servers_load() -> None:
+    module, name = MIDDLEWARE.rsplit(".", 1)
+    assert getattr(errors, name) is errors.KVChecksumErrorMiddleware
+    assert module == errors.__name__

@@ -1,0 +1,470 @@
+"""Real vLLM servers (CPU, tiny local model) and the KVGuard proxy for the
+tests: started under ``timeout``, in their own session, stopped by PID.
+
+At most two vLLM instances run at once (the machines have two cores): a
+:class:`Pair` keeps one producer and one consumer up and restarts only the
+one whose configuration a test changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+# The Python of vLLM's environment (the tests' own by default).
+VLLM_PYTHON = os.environ.get("KVGUARD_VLLM_PYTHON", sys.executable)
+WORK_DIR = Path(os.environ.get("KVGUARD_VLLM_WORK", REPO / "build" / "vllm-test"))
+MODEL_DIR = Path(os.environ.get("KVGUARD_TINY_MODEL", WORK_DIR / "tiny-llama"))
+
+# Seconds a server may take to answer /health (about 40 on 2 cores).
+STARTUP_TIMEOUT_S = float(os.environ.get("KVGUARD_VLLM_STARTUP_S", "240"))
+# Seconds after which `timeout` kills a server whatever happens.
+SERVER_LIFETIME_S = 1500
+REQUEST_TIMEOUT_S = 120.0
+BLOCK_SIZE = 32
+# 256 MiB of KV cache: thousands of the tiny model's 16 KiB blocks.
+KV_CACHE_BYTES = 256 << 20
+MIDDLEWARE = "engine_patch.vllm.errors.kv_checksum_errors"
+
+# (server, seconds from launch to /health) of every start, for the summary.
+STARTUPS: list[tuple[str, float]] = []
+
+
+def ensure_model() -> Path:
+    """The tiny model's folder, made by scripts/make_tiny_model.py if absent."""
+    if not (MODEL_DIR / "model.safetensors").exists():
+        subprocess.run(
+            [VLLM_PYTHON, str(REPO / "scripts" / "make_tiny_model.py"), str(MODEL_DIR)],
+            check=True,
+            timeout=300,
+        )
+    return MODEL_DIR
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM instance's P/D configuration.
+
+    ``connector``: ``"nixl"`` (plain vLLM), ``"kvguard"`` or ``"faults"``
+    (KVGuard with the fault injector, ``faults`` its settings).
+    """
+
+    role: Literal["producer", "consumer"]
+    connector: Literal["nixl", "kvguard", "faults"] = "kvguard"
+    checksums: bool = True
+    fail_closed: bool = True
+    policy: Literal["fail", "recompute"] = "fail"
+    faults: tuple[tuple[str, Any], ...] = ()
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "kv_role": f"kv_{self.role}",
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": self.policy,
+        }
+        if self.connector == "nixl":
+            return {"kv_connector": "NixlConnector", **config}
+        extra: dict[str, Any] = {
+            "inner": {"kv_connector": "NixlConnector"},
+            "kv_checksums": {
+                "enabled": self.checksums,
+                "fail_closed": self.fail_closed,
+            },
+        }
+        name = "KVGuardConnector"
+        if self.connector == "faults":
+            name = "KVGuardFaultInjectionConnector"
+            extra["fault_injection"] = dict(self.faults)
+        return {
+            "kv_connector": name,
+            "kv_connector_module_path": "engine_patch.vllm",
+            "kv_connector_extra_config": extra,
+            **config,
+        }
+
+
+@dataclass
+class Server:
+    """A process this module started, stopped by its PID."""
+
+    name: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid_path(self) -> Path:
+        """Where its PID is while it runs, for scripts/test_vllm.sh to stop
+        it if the tests themselves are killed."""
+        return WORK_DIR / "pids" / f"{self.name}.pid"
+
+    def _launched(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_path.write_text(str(process.pid))
+
+    def stop(self) -> None:
+        """SIGTERM to its process group (its own session), then SIGKILL."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+        self.pid_path.unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class VllmServer(Server):
+    """One vLLM OpenAI API server."""
+
+    spec: EngineSpec | None = None
+    side_port: int = 0
+    core: int = 0
+    started_s: float = 0.0
+    ready_s: float = 0.0
+
+    def start(
+        self, spec: EngineSpec, kv_transfer_config: dict[str, Any] | None = None
+    ) -> None:
+        """Launch the server; ``kv_transfer_config`` overrides the spec's."""
+        self.spec = spec
+        if kv_transfer_config is None:
+            kv_transfer_config = spec.kv_transfer_config()
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(WORK_DIR / "inductor"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
+            "PYTHONPATH": str(REPO),
+        }
+        command = [
+            "timeout", str(SERVER_LIFETIME_S),
+            VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(ensure_model()),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--max-model-len", "512",
+            "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            "--enforce-eager",
+            "--kv-transfer-config", json.dumps(kv_transfer_config),
+        ]  # fmt: skip
+        if spec.connector != "nixl":
+            command += ["--middleware", MIDDLEWARE]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self._launched(
+                subprocess.Popen(
+                    command,
+                    cwd=WORK_DIR,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        self.started_s = time.monotonic()
+
+    async def wait_ready(self, session: aiohttp.ClientSession) -> None:
+        """Wait for /health, then warm the engine up with a local request.
+
+        Raises:
+            RuntimeError: If the server exits or is not up in time.
+        """
+        assert self.process is not None
+        deadline = self.started_s + STARTUP_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}:\n"
+                    + self.log_tail()
+                )
+            try:
+                async with session.get(f"{self.url}/health") as response:
+                    if response.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
+            await asyncio.sleep(1.0)
+        self.ready_s = time.monotonic() - self.started_s
+        # Plain vLLM's CPU AMX attention crashes a process whose first forward
+        # is a decode (see engine_patch/vllm/worker_side.py); a local request
+        # first makes any instance safe, and the timings fair.
+        status, _ = await complete(session, self.url, "warm up", max_tokens=2)
+        if status != 200:
+            raise RuntimeError(f"{self.name} failed its warm-up:\n{self.log_tail()}")
+
+
+@dataclass
+class ProxyServer(Server):
+    """The KVGuard proxy in front of one prefill and one decode."""
+
+    def launch(self, prefill: str, decode: str) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            "timeout", str(SERVER_LIFETIME_S),
+            VLLM_PYTHON, "-m", "kvguard.cli", "proxy",
+            "--prefill", prefill, "--decode", decode,
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        with self.log_path.open("wb") as log:
+            self._launched(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+
+    async def wait_ready(self, session: aiohttp.ClientSession) -> None:
+        """Raises: RuntimeError: If the proxy is not up in time."""
+        assert self.process is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                async with session.get(f"{self.url}/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"proxy not ready:\n{self.log_tail()}")
+
+
+@dataclass
+class Pair:
+    """One producer and one consumer vLLM instance, and the proxy in front."""
+
+    session: aiohttp.ClientSession
+    producer: VllmServer
+    consumer: VllmServer
+    proxy: ProxyServer
+
+    @classmethod
+    def create(cls, session: aiohttp.ClientSession) -> Pair:
+        logs = WORK_DIR / "logs"
+
+        def server(name: str, core: int) -> VllmServer:
+            return VllmServer(
+                name,
+                free_port(),
+                logs / f"{name}.log",
+                side_port=free_port(),
+                core=core,
+            )
+
+        return cls(
+            session,
+            server("producer", 0),
+            server("consumer", 1),
+            ProxyServer("proxy", free_port(), logs / "proxy.log"),
+        )
+
+    async def use(self, producer: EngineSpec, consumer: EngineSpec) -> None:
+        """Make the pair run these specs (restarting only what changed), with
+        a fresh proxy in front."""
+        self.proxy.stop()
+        changed = [
+            (server, spec)
+            for server, spec in ((self.producer, producer), (self.consumer, consumer))
+            if server.process is None or server.spec != spec
+        ]
+        for server, _ in changed:
+            server.stop()
+        for server, spec in changed:
+            server.start(spec)
+        await asyncio.gather(
+            *(server.wait_ready(self.session) for server, _ in changed)
+        )
+        for server, spec in changed:
+            STARTUPS.append((f"{server.name} ({spec.connector})", server.ready_s))
+        self.proxy.launch(self.producer.url, self.consumer.url)
+        await self.proxy.wait_ready(self.session)
+
+    def stop(self) -> None:
+        for server in (self.proxy, self.consumer, self.producer):
+            server.stop()
+
+
+async def post(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    request_id: str | None = None,
+) -> tuple[int, Any]:
+    """POST JSON; the status and the decoded JSON (or text) answer."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with session.post(url, json=body, headers=headers, timeout=timeout) as r:
+        text = await r.text()
+        try:
+            return r.status, json.loads(text)
+        except ValueError:
+            return r.status, text
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    prompt: str,
+    *,
+    max_tokens: int = 12,
+    request_id: str | None = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> tuple[int, Any]:
+    """A temperature-0 completion."""
+    body: dict[str, Any] = {
+        "model": str(MODEL_DIR),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return await post(session, f"{base_url}/v1/completions", body, request_id)
+
+
+def text_of(answer: Any) -> str:
+    """The completion text of an answer."""
+    return str(answer["choices"][0]["text"])
+
+
+def error_message(answer: Any) -> str:
+    """The error message of an error answer."""
+    if isinstance(answer, dict):
+        return str(answer.get("error", {}).get("message", answer))
+    return str(answer)
+
+
+async def metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """The server's Prometheus samples summed by ``name{label=value,...}``
+    (labels other than model_name and engine kept), and by bare name."""
+    async with session.get(f"{base_url}/metrics") as response:
+        text = await response.text()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {
+                k: v
+                for k, v in sample.labels.items()
+                if k not in ("model_name", "engine")
+            }
+            keys = [sample.name]
+            if labels:
+                keys.append(
+                    sample.name
+                    + "{"
+                    + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                    + "}"
+                )
+            for key in keys:
+                samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def deltas(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """``after - before`` per sample (absent counts as 0)."""
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def prompts(count: int, seed: int = 0) -> list[str]:
+    """Distinct prompts of about 40 to 300 tokens, none a prefix of another."""
+    import random
+
+    words = [
+        "producer", "consumer", "checksum", "block", "prefill", "decode",
+        "cache", "key", "value", "token", "layer", "head", "proxy", "retry",
+        "bit", "flip", "memory", "wire", "kernel", "model", "request", "load",
+        "verify", "mismatch", "engine", "quick", "brown", "fox", "river",
+        "number", "seven", "twelve", "three",
+    ]  # fmt: skip
+    rng = random.Random(seed)
+    return [
+        f"Prompt {i}: "
+        + " ".join(rng.choice(words) for _ in range(rng.randint(20, 150)))
+        for i in range(count)
+    ]
+
+
+async def stream_text(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    request_id: str,
+) -> str:
+    """A streamed temperature-0 completion's text.
+
+    Raises:
+        AssertionError: On a status other than 200 or an error event.
+    """
+    body = {
+        "model": str(MODEL_DIR),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    parts: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with session.post(
+        f"{base_url}/v1/completions",
+        json=body,
+        headers={"X-Request-Id": request_id},
+        timeout=timeout,
+    ) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            data = line.decode().strip().removeprefix("data:").strip()
+            if not data or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            assert "error" not in event, event
+            parts.append(event["choices"][0]["text"])
+    return "".join(parts)
