@@ -54,7 +54,7 @@ def _block_bytes(layers: Iterable[KVLayer]) -> dict[int, int]:
     seen: set[tuple[int, int]] = set()
     sizes: dict[int, int] = {}
     for layer in layers:
-        key = (layer.kv.untyped_storage().data_ptr(), layer.kv.storage_offset())
+        key = (layer.kv.untyped_storage().data_ptr(), int(layer.kv.storage_offset()))
         if key in seen:
             continue
         seen.add(key)

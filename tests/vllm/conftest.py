@@ -21,7 +21,9 @@ else:
 
     @pytest_asyncio.fixture(scope="session", loop_scope="session")
     async def http() -> AsyncIterator[aiohttp.ClientSession]:
-        async with aiohttp.ClientSession() as session:
+        # A connection per request: no reuse of one a server is closing.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
             yield session
 
     @pytest_asyncio.fixture(scope="session", loop_scope="session")

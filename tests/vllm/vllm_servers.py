@@ -9,6 +9,7 @@ one whose configuration a test changes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -62,6 +63,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One vLLM instance's P/D configuration.
@@ -74,6 +88,7 @@ class EngineSpec:
     connector: Literal["nixl", "kvguard", "faults"] = "kvguard"
     checksums: bool = True
     fail_closed: bool = True
+    compile: bool = False
     policy: Literal["fail", "recompute"] = "fail"
     faults: tuple[tuple[str, Any], ...] = ()
 
@@ -129,15 +144,19 @@ class Server:
         self.pid_path.write_text(str(process.pid))
 
     def stop(self) -> None:
-        """SIGTERM to its process group (its own session), then SIGKILL."""
+        """SIGTERM to its process group (its own session), SIGKILL to what is
+        left of it after 30 s; returns once the whole group is gone (vLLM's
+        engine processes hold the server's socket until they exit)."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
+        if process is not None:
+            _signal_group(process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while _group_alive(process.pid) and time.monotonic() < deadline:
+                process.poll()
+                time.sleep(0.2)
+            if _group_alive(process.pid):
+                _signal_group(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
         self.pid_path.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 40) -> str:
@@ -153,6 +172,7 @@ class VllmServer(Server):
     """One vLLM OpenAI API server."""
 
     spec: EngineSpec | None = None
+    starts: int = 0
     side_port: int = 0
     core: int = 0
     started_s: float = 0.0
@@ -165,6 +185,11 @@ class VllmServer(Server):
         self.spec = spec
         if kv_transfer_config is None:
             kv_transfer_config = spec.kv_transfer_config()
+        # Fresh ports and log for every start: a stopped server's port is
+        # not reused while the kernel may still hold it.
+        self.port, self.side_port = free_port(), free_port()
+        self.starts += 1
+        self.log_path = self.log_path.with_name(f"{self.name}-{self.starts}.log")
         env = {
             **os.environ,
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
@@ -176,6 +201,7 @@ class VllmServer(Server):
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
             "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
         }
         command = [
             "timeout", str(SERVER_LIFETIME_S),
@@ -219,10 +245,12 @@ class VllmServer(Server):
                     + self.log_tail()
                 )
             try:
-                async with session.get(f"{self.url}/health") as response:
+                async with session.get(
+                    f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)
+                ) as response:
                     if response.status == 200:
                         break
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
@@ -241,6 +269,7 @@ class ProxyServer(Server):
     """The KVGuard proxy in front of one prefill and one decode."""
 
     def launch(self, prefill: str, decode: str) -> None:
+        self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [
             "timeout", str(SERVER_LIFETIME_S),
@@ -267,10 +296,12 @@ class ProxyServer(Server):
             if self.process.poll() is not None:
                 break
             try:
-                async with session.get(f"{self.url}/health") as response:
+                async with session.get(
+                    f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)
+                ) as response:
                     if response.status == 200:
                         return
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.2)
         raise RuntimeError(f"proxy not ready:\n{self.log_tail()}")
@@ -412,11 +443,12 @@ def deltas(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str,
     return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
-def prompts(count: int, seed: int = 0) -> list[str]:
-    """Distinct prompts of about 40 to 300 tokens, none a prefix of another."""
+def prompts(count: int, seed: int = 0, words: tuple[int, int] = (20, 150)) -> list[str]:
+    """Distinct prompts of ``words`` words (about two tokens each), none a
+    prefix of another."""
     import random
 
-    words = [
+    vocabulary = [
         "producer", "consumer", "checksum", "block", "prefill", "decode",
         "cache", "key", "value", "token", "layer", "head", "proxy", "retry",
         "bit", "flip", "memory", "wire", "kernel", "model", "request", "load",
@@ -426,7 +458,7 @@ def prompts(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [
         f"Prompt {i}: "
-        + " ".join(rng.choice(words) for _ in range(rng.randint(20, 150)))
+        + " ".join(rng.choice(vocabulary) for _ in range(rng.randint(*words)))
         for i in range(count)
     ]
 
