@@ -33,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 from vllm_servers import (
     MODEL_DIR,
     STARTUPS,
+    WORK_DIR,
     EngineSpec,
     Pair,
+    VllmServer,
     complete,
     ensure_model,
     metrics,
@@ -131,9 +133,54 @@ async def run_phase(
             result[f"{side}_checksum_s"] = seconds
             result[f"{side}_checksum_MBps"] = nbytes / seconds / 1e6
             result[f"{side}_checksum_ms_per_request"] = seconds / len(samples) * 1e3
+        scheduler_s = done.get("kvguard_kv_checksum_scheduler_seconds_total", 0.0)
+        if scheduler_s:
+            result[f"{side}_scheduler_ms_per_request"] = (
+                scheduler_s / len(samples) * 1e3
+            )
         if side == "consumer" and phase != "off":
             result["verified"] = done.get("kvguard_kv_checksum_verified_total", 0.0)
+            held = done.get("kvguard_kv_loads_held_total", 0.0)
+            if held:
+                result["consumer_hold_ms_per_load"] = (
+                    done.get("kvguard_kv_load_hold_seconds_total", 0.0) / held * 1e3
+                )
     return result
+
+
+async def prefill_ab(http: aiohttp.ClientSession, texts: list[str]) -> dict[str, Any]:
+    """Two producers at once, plain and KVGuard, prefills alternating between
+    them: the prefill's overhead with the machine's load the same for both."""
+    logs = WORK_DIR / "logs"
+    servers = {
+        "off": VllmServer("ab-off", 0, logs / "ab-off.log", core=0),
+        "on": VllmServer("ab-on", 0, logs / "ab-on.log", core=1),
+    }
+    specs = {"off": EngineSpec("producer", "nixl"), "on": EngineSpec("producer")}
+    try:
+        for name, server in servers.items():
+            server.start(specs[name])
+        await asyncio.gather(*(s.wait_ready(http) for s in servers.values()))
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for i, prompt in enumerate(texts):
+            for name in ("off", "on") if i % 2 else ("on", "off"):
+                start = time.perf_counter()
+                status, answer = await complete(
+                    http,
+                    servers[name].url,
+                    prompt,
+                    max_tokens=1,
+                    request_id=f"ab-{name}-{i}-{time.time_ns()}",
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+                if status != 200:
+                    raise RuntimeError(f"prefill failed: {answer}")
+                times[name].append(time.perf_counter() - start)
+        off, on = (statistics.median(times[k]) for k in ("off", "on"))
+        return {"prefill_off_s": off, "prefill_on_s": on, "ratio": on / off}
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 async def main() -> None:
@@ -143,12 +190,21 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--phases", default="off,on")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--prefill-ab",
+        action="store_true",
+        help="only the interleaved prefill comparison (two producers at once)",
+    )
     args = parser.parse_args()
     ensure_model()
     # Long prompts (about 12 blocks of 32 tokens): the KV a load moves.
     texts = prompts(args.warmup + args.requests, seed=7, words=(170, 180))
     results: dict[str, list[dict[str, Any]]] = {}
     connector = aiohttp.TCPConnector(force_close=True)
+    if args.prefill_ab:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            print(json.dumps(await prefill_ab(http, texts), indent=2))
+        return
     async with aiohttp.ClientSession(connector=connector) as http:
         pair = Pair.create(http)
         try:

@@ -196,22 +196,25 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        stats = KVGuardConnectorStats()
+        counts: dict[str, Any] = {}
         if self._scheduler is not None:
             # Called at the end of every update_from_output: the last point
             # at which a finished request's params can still be filled.
             self._scheduler.flush_finished()
-            counts = self._scheduler.take_stats()
-            if counts is not None:
-                stats.counts.update(counts)
+            counts.update(self._scheduler.take_stats() or {})
         if self._worker is not None:
-            num_bytes, seconds = self._worker.take_stats()
-            stats.counts["checksum_bytes"] = num_bytes
-            stats.counts["checksum_seconds"] = seconds
+            worker_counts = self._worker.take_stats()
+            if any(worker_counts.values()):
+                counts.update(worker_counts)
+        inner = self._inner.get_kv_connector_stats()
+        if not counts and inner is None:
+            return None
+        stats = KVGuardConnectorStats()
+        stats.counts.update(counts)
         stats.set_inner(
             self._inner_ktc.kv_connector or "",
             self._inner_ktc.kv_connector_module_path,
-            self._inner.get_kv_connector_stats(),
+            inner,
         )
         return None if stats.is_empty() else stats
 

@@ -10,19 +10,23 @@ worker results, and handles failed loads before either. So:
   arrive after ``request_finished``: the request's ``kv_transfer_params``
   dict is kept and filled in ``update_connector_output`` (same call, before
   the step's outputs leave the engine);
-- a consumer's finished load is held back by the workers until the scheduler
-  has verified it and sent its verdict in the next step's metadata; a failed
-  verification then reaches vLLM as a failed load (``failed_recving``), which
-  vLLM handles by its ``kv_load_failure_policy``.
+- a consumer's finished load is checksummed by the workers before any later
+  step can write its blocks and, under fail-closed, held back from vLLM
+  until the scheduler has verified it and sent its verdict in a later step's
+  metadata; a failed verification then reaches vLLM as a failed load
+  (``failed_recving``), which vLLM handles by its ``kv_load_failure_policy``.
+  Fail-open holds nothing: the outcome is only counted and logged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.stats import KVChecksumStats
@@ -44,6 +48,9 @@ if TYPE_CHECKING:
     from engine_patch.vllm.config import KVGuardSettings
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # Starts the error message of a load KVGuard fails: what the proxy matches.
 CHECKSUM_FAILURE_TEXT = "KV checksum mismatch"
@@ -77,6 +84,22 @@ class _Loads:
     verdicts: dict[str, bool] = field(default_factory=dict)
 
 
+def _timed(
+    method: Callable[Concatenate[KVGuardScheduler, _P], _T],
+) -> Callable[Concatenate[KVGuardScheduler, _P], _T]:
+    """Add the method's time to the scheduler's own (its overhead)."""
+
+    @functools.wraps(method)
+    def timed(self: KVGuardScheduler, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._seconds += time.perf_counter() - start
+
+    return timed
+
+
 class KVGuardScheduler:
     """The scheduler-side checksum logic of one engine."""
 
@@ -104,6 +127,8 @@ class KVGuardScheduler:
         # Loads failed since the last stats, with their error messages.
         self._failed_loads: dict[str, str] = {}
         self._reported = snapshot(KVChecksumStats())
+        # Time in KVGuard's scheduler-side code since the last stats.
+        self._seconds = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +142,7 @@ class KVGuardScheduler:
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
 
+    @_timed
     def on_new_request(self, request: Request) -> None:
         """Before the inner connector sees it (NIXL clears a consumer's
         ``do_remote_prefill`` once its load starts)."""
@@ -133,6 +159,7 @@ class KVGuardScheduler:
         if self._checksums is not None:
             self._num_local_tokens[request.request_id] = num_computed_tokens
 
+    @_timed
     def on_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -145,6 +172,7 @@ class KVGuardScheduler:
             RequestAt(request, num_local + num_external_tokens), blocks, num_local
         )
 
+    @_timed
     def build_meta(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
@@ -166,6 +194,7 @@ class KVGuardScheduler:
         verdicts, self._loads.verdicts = self._loads.verdicts, {}
         return self._checksums.build_checksum_meta(), verdicts
 
+    @_timed
     def on_request_finished(
         self, request: Request, kv_transfer_params: dict[str, Any] | None
     ) -> None:
@@ -177,12 +206,17 @@ class KVGuardScheduler:
         if self._checksums is not None:
             self._finished.append(_Finished(request, kv_transfer_params))
 
+    @_timed
     def on_step_output(
         self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
     ) -> None:
         """Take the workers' checksums, verify the loads every worker has
         checksummed, and send the checksums of the requests that finished."""
         if self._checksums is None:
+            return
+        if meta is None and not output.failed_recving:
+            # Most steps: nothing checksummed, nothing failed.
+            self._flush()
             return
         records: list[KVChecksumRecord] = []
         complete: set[str] = set()
@@ -201,8 +235,10 @@ class KVGuardScheduler:
         failed = self._checksums.update_from_output(
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
-        for req_id in complete:
-            self._loads.verdicts[req_id] = req_id in failed
+        if self._checksums.fail_closed:
+            # The workers hold these loads until they hear.
+            for req_id in complete:
+                self._loads.verdicts[req_id] = req_id in failed
         if failed:
             # Which outcome failed the loads, where the counts tell (as the
             # fake engine words it).
@@ -218,11 +254,15 @@ class KVGuardScheduler:
                 )
                 self._failed_loads[req_id] = message
                 logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
-        self.flush_finished()
+        self._flush()
 
+    @_timed
     def flush_finished(self) -> None:
         """Send the checksums of the requests finished since the last call."""
-        if self._checksums is None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._checksums is None or not self._finished:
             return
         finished, self._finished = self._finished, []
         for item in finished:
@@ -232,13 +272,18 @@ class KVGuardScheduler:
         """Outcome counts since the last call, or None if none changed."""
         if self._checksums is None:
             return None
-        now = self._checksums.stats
-        counts = checksum_deltas(now, self._reported)
+        now, before = self._checksums.stats, self._reported
+        if (
+            (now.verified, now.mismatch, now.sent)
+            == (before.verified, before.mismatch, before.sent)
+            and now.unverified == before.unverified
+            and now.not_sent == before.not_sent
+        ):
+            # Nothing happened (most steps): the time waits for an outcome.
+            return None
+        counts = checksum_deltas(now, before)
         counts["failed_loads"] = len(self._failed_loads)
         counts["failed_requests"], self._failed_loads = self._failed_loads, {}
+        counts["scheduler_seconds"], self._seconds = self._seconds, 0.0
         self._reported = snapshot(now)
-        if not any(
-            counts[key] for key in ("verified", "mismatch", "sent", "failed_loads")
-        ) and not (counts["unverified"] or counts["not_sent"]):
-            return None
         return counts

@@ -25,14 +25,17 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # Plain counts, summed when stats aggregate.
-_COUNTS = ("verified", "mismatch", "sent", "failed_loads", "checksum_bytes")
+_COUNTS = ("verified", "mismatch", "sent", "failed_loads", "checksum_bytes",
+           "held_loads")  # fmt: skip
+# Seconds, summed.
+_SECONDS = ("checksum_seconds", "hold_seconds", "scheduler_seconds")
 # Counts by reason text.
 _BY_REASON = ("unverified", "not_sent")
 
 
 def _empty_counts() -> dict[str, Any]:
     counts: dict[str, Any] = dict.fromkeys(_COUNTS, 0)
-    counts["checksum_seconds"] = 0.0
+    counts.update(dict.fromkeys(_SECONDS, 0.0))
     for key in _BY_REASON:
         counts[key] = {}
     # Engine request ids of the loads KVGuard failed: their error messages.
@@ -127,9 +130,8 @@ class KVGuardConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         assert isinstance(other, KVGuardConnectorStats)
         mine, theirs = self.counts, other.counts
-        for key in _COUNTS:
-            mine[key] += theirs.get(key, 0)
-        mine["checksum_seconds"] += theirs.get("checksum_seconds", 0.0)
+        for key in (*_COUNTS, *_SECONDS):
+            mine[key] = mine.get(key, 0) + theirs.get(key, 0)
         for key in _BY_REASON:
             merged = Counter(mine[key])
             merged.update(theirs.get(key, {}))
@@ -158,6 +160,10 @@ class KVGuardConnectorStats(KVConnectorStats):
         if counts["checksum_seconds"] > 0:
             reduced["checksum GB/s"] = round(
                 counts["checksum_bytes"] / counts["checksum_seconds"] / 1e9, 3
+            )
+        if counts["held_loads"]:
+            reduced["verification wait ms"] = round(
+                counts["hold_seconds"] / counts["held_loads"] * 1e3, 2
             )
         if (inner := self.inner) is not None and not inner.is_empty():
             reduced.update(inner.reduce())
@@ -223,6 +229,18 @@ class KVGuardPromMetrics(KVConnectorPromMetrics):
             "checksum_seconds": counter(
                 "kvguard_kv_checksum_seconds",
                 "Time the workers spent checksumming KV.",
+            ),
+            "held_loads": counter(
+                "kvguard_kv_loads_held",
+                "Finished KV loads held back from vLLM until verified.",
+            ),
+            "hold_seconds": counter(
+                "kvguard_kv_load_hold_seconds",
+                "Time finished KV loads waited for their verification.",
+            ),
+            "scheduler_seconds": counter(
+                "kvguard_kv_checksum_scheduler_seconds",
+                "Time KVGuard's scheduler-side code took in the scheduler.",
             ),
         }
         self._by_reason = {

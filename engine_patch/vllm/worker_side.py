@@ -1,13 +1,14 @@
 """KVGuard in a vLLM worker: checksums the KV tensors vLLM registers with
-engine_patch's :class:`~engine_patch.worker.KVChecksumWorker`, and holds
-each finished load back from vLLM until the scheduler's verdict on it.
+engine_patch's :class:`~engine_patch.worker.KVChecksumWorker` and, under
+fail-closed, holds each finished load back from vLLM until the scheduler's
+verdict on it.
 
 Per step vLLM calls, in order: ``bind_connector_metadata`` (the scheduler's
 checksums and verdicts), the forward, ``start_load_kv``, ``wait_for_save``
 (a producer's prompt KV is final: checksummed), ``get_transfer_results``
 (finished loads are checksummed before any later step can write their
-blocks, and held; loads with a verdict are released, failed ones as failed
-loads), ``build_connector_worker_meta`` (the step's checksums).
+blocks, and held; held loads with a verdict are released, failed ones as
+failed loads), ``build_connector_worker_meta`` (the step's checksums).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class KVGuardWorker:
         self._settings = settings
         config = settings.checksum_config(vllm_config)
         self._enabled = config.enabled
+        self._fail_closed = config.fail_closed
         self._covered = convert_kv_cache_config(
             kv_cache_config, fail_closed=config.fail_closed
         ).transfer_group_ids
@@ -86,12 +88,14 @@ class KVGuardWorker:
         self._block_bytes: dict[int, int] = {}
         # Loads the scheduler asked to checksum, by request id: their blocks.
         self._loads: dict[str, KVChecksumBlocks] = {}
-        # Checksummed loads held back from vLLM until their verdicts.
-        self._held: set[str] = set()
+        # Checksummed loads held back from vLLM until their verdicts: when.
+        self._held: dict[str, float] = {}
         self._verdicts: dict[str, bool] = {}
         self._finished_loads: list[str] = []
         self._bytes = 0
         self._seconds = 0.0
+        self._hold_seconds = 0.0
+        self._num_held = 0
         if vllm_config.device_config.device_type == "cpu":
             _enable_amx()
 
@@ -154,9 +158,9 @@ class KVGuardWorker:
     def on_transfer_results(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
     ) -> None:
-        """Checksum and hold the loads the inner connector finished; release
-        those with verdicts (a failed verdict as a failed load). Edits
-        ``results`` in place."""
+        """Checksum the loads the inner connector finished and, fail-closed,
+        hold them; release those with verdicts (a failed verdict as a failed
+        load). Edits ``results`` in place."""
         if self._checksums is not None:
             done = [
                 req_id
@@ -172,12 +176,18 @@ class KVGuardWorker:
                 self._count_bytes(loads.values())
                 checksums = self._checksums
                 self._timed(lambda: checksums.on_loads_finished(done))
-                results.finished_recving.difference_update(done)
-                self._held.update(done)
                 self._finished_loads.extend(done)
+                if self._fail_closed:
+                    # Fail-open needs no verdict: the load was checksummed
+                    # before any later step can write its blocks, and goes on
+                    # whatever the comparison finds.
+                    results.finished_recving.difference_update(done)
+                    now = time.perf_counter()
+                    self._held.update(dict.fromkeys(done, now))
             self._checksums.request_finished(finished_req_ids)
         for req_id in [r for r in self._held if r in self._verdicts]:
-            self._held.discard(req_id)
+            self._hold_seconds += time.perf_counter() - self._held.pop(req_id)
+            self._num_held += 1
             results.finished_recving.add(req_id)
             if self._verdicts.pop(req_id):
                 results.failed_recving.add(req_id)
@@ -195,10 +205,17 @@ class KVGuardWorker:
             return None
         return WorkerReport(record, finished)
 
-    def take_stats(self) -> tuple[int, float]:
-        """Bytes checksummed and seconds spent since the last call."""
-        taken = (self._bytes, self._seconds)
+    def take_stats(self) -> dict[str, int | float]:
+        """Since the last call: bytes checksummed and the seconds it took, and
+        loads released with their verdicts and the seconds they were held."""
+        taken = {
+            "checksum_bytes": self._bytes,
+            "checksum_seconds": self._seconds,
+            "held_loads": self._num_held,
+            "hold_seconds": self._hold_seconds,
+        }
         self._bytes, self._seconds = 0, 0.0
+        self._num_held, self._hold_seconds = 0, 0.0
         return taken
 
     def _count_bytes(self, requests: Iterable[KVChecksumBlocks]) -> None:

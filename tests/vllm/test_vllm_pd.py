@@ -173,6 +173,8 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     change = await changes(http, pair, before)
     consumer, producer, proxy = change["consumer"], change["producer"], change["proxy"]
     assert consumer.get("kvguard_kv_checksum_verified_total") == len(PROMPTS)
+    # Each load waited for its verification before vLLM saw it finish.
+    assert consumer.get("kvguard_kv_loads_held_total") == len(PROMPTS)
     assert consumer.get("kvguard_kv_checksum_mismatch_total", 0) == 0
     assert unverified(consumer) == 0
     assert consumer.get("kvguard_kv_load_failures_total", 0) == 0
@@ -198,6 +200,8 @@ async def test_corrupted_loads_fail_open_are_counted_and_answered(
     assert consumer.get("kvguard_kv_checksum_mismatch_total") == 6
     assert consumer.get("kvguard_kv_checksum_verified_total", 0) == 0
     assert consumer.get("kvguard_kv_load_failures_total", 0) == 0
+    # Fail-open does not hold loads for their verdicts.
+    assert consumer.get("kvguard_kv_loads_held_total", 0) == 0
     assert proxy.get("kvguard_proxy_retries_total", 0) == 0
 
 
