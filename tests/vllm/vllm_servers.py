@@ -32,7 +32,7 @@ WORK_DIR = Path(os.environ.get("KVGUARD_VLLM_WORK", REPO / "build" / "vllm-test"
 MODEL_DIR = Path(os.environ.get("KVGUARD_TINY_MODEL", WORK_DIR / "tiny-llama"))
 
 # Seconds a server may take to answer /health (about 40 on 2 cores).
-STARTUP_TIMEOUT_S = float(os.environ.get("KVGUARD_VLLM_STARTUP_S", "240"))
+STARTUP_TIMEOUT_S = float(os.environ.get("KVGUARD_VLLM_STARTUP_S", "360"))
 # Seconds after which `timeout` kills a server whatever happens.
 SERVER_LIFETIME_S = 1500
 REQUEST_TIMEOUT_S = 120.0
@@ -271,11 +271,24 @@ class ProxyServer(Server):
     def launch(self, prefill: str, decode: str) -> None:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Health probes patient enough for two cores shared with other work:
+        # these tests are about KV loads, not about instances going away.
+        config = {
+            "server": {"host": "127.0.0.1", "port": self.port},
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"url": prefill}]},
+                    "decode": {"instances": [{"url": decode}]},
+                }
+            },
+            "health": {"timeout_s": 15, "unhealthy_threshold": 4},
+            "timeouts": {"prefill_s": REQUEST_TIMEOUT_S},
+        }
+        config_path = self.log_path.with_name("proxy.yaml")
+        config_path.write_text(json.dumps(config))  # JSON is YAML.
         command = [
             "timeout", str(SERVER_LIFETIME_S),
-            VLLM_PYTHON, "-m", "kvguard.cli", "proxy",
-            "--prefill", prefill, "--decode", decode,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            VLLM_PYTHON, "-m", "kvguard.cli", "proxy", "--config", str(config_path),
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             self._launched(
