@@ -68,6 +68,10 @@ from engine_patch.types import (
 
 logger = logging.getLogger(__name__)
 
+# Starts the message of every load failed by verification: the text a proxy
+# looks for in a decode's error to tell an integrity failure from others.
+KV_CHECKSUM_FAILURE_TEXT = "KV checksum mismatch"
+
 # Finishes whose KV a producer sends; an aborted or failed request's is not.
 _SENT_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
@@ -115,6 +119,19 @@ class _Comparison(NamedTuple):
     unverified: list[_Unverified]
     # Groups compared (with or without mismatches).
     num_compared: int
+
+    def failure_message(self, req_id: str) -> str:
+        """The error of a load this comparison fails."""
+        if self.mismatches:
+            where = "; ".join(
+                f"group {group_id} block positions {positions}"
+                for group_id, positions in self.mismatches.items()
+            )
+            why = f"does not match the producer's checksums ({where})"
+        else:
+            reasons = dict.fromkeys(str(e.reason) for e in self.unverified)
+            why = f"could not be verified: {'; '.join(reasons)}"
+        return f"{KV_CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} {why}"
 
 
 @dataclass
@@ -223,6 +240,7 @@ class KVChecksumScheduler:
         # Consumer requests whose KV load has not started yet.
         self._remote_prefills: set[str] = set()
         self._to_send: dict[str, bytes] = {}
+        self._failures: dict[str, str] = {}
         self._scheduled = KVChecksumScheduled()
         self.stats = KVChecksumStats()
 
@@ -382,9 +400,10 @@ class KVChecksumScheduler:
             pending = self._recvs.pop(req_id, None)
             if pending is None or req_id in skip_req_ids:
                 continue
-            mismatches = self._verify(req_id, pending)
-            if mismatches is None:
+            outcome = self._verify(req_id, pending)
+            if outcome is None:
                 continue
+            mismatches = outcome.mismatches
             if pending.offload_request is not None and (
                 mismatches or self._fail_closed
             ):
@@ -393,7 +412,15 @@ class KVChecksumScheduler:
                 )
             if self._fail_closed:
                 failed.add(req_id)
+                self._failures[req_id] = outcome.failure_message(req_id)
         return failed
+
+    def take_load_failures(self) -> dict[str, str]:
+        """Why each load failed by :meth:`update_from_output` since the last
+        call: request id -> a message starting with
+        :data:`KV_CHECKSUM_FAILURE_TEXT`, for the request's error."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def request_finished(
         self, request: Request, kv_transfer_params: dict[str, Any] | None
@@ -498,17 +525,19 @@ class KVChecksumScheduler:
             return None
         return KVChecksumPayload(self._tp_size, pending.blocks.num_tokens, groups)
 
-    def _verify(self, req_id: str, pending: _Pending) -> dict[int, list[int]] | None:
+    def _verify(self, req_id: str, pending: _Pending) -> _Comparison | None:
         """Compare a finished load with its expected checksums, log and count
         the outcome.
 
         Returns:
             None if the load verified (or, for offloaded KV, had no
-            checksummed group to compare), else its mismatching block
-            positions per group, empty if it could not be compared.
+            checksummed group to compare), else the comparison that fails it:
+            mismatching block positions per group, or (none) why it could not
+            be compared.
 
         """
-        mismatches, unverified, num_compared = self._compare(pending)
+        comparison = self._compare(pending)
+        mismatches, unverified, num_compared = comparison
         if mismatches:
             self.stats.mismatch += 1
             logger.error(
@@ -534,7 +563,7 @@ class KVChecksumScheduler:
                 self.stats.verified += 1
                 logger.debug("KV checksums of request %s verified.", req_id)
             return None
-        return mismatches
+        return comparison
 
     def _compare(self, pending: _Pending) -> _Comparison:
         """The mismatching block positions per group, why the load or some of

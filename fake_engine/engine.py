@@ -69,9 +69,6 @@ from fake_engine.workers import TPWorker, layer_name
 
 logger = logging.getLogger(__name__)
 
-# The text failing a consumer request whose KV failed verification; the
-# proxy looks for it.
-CHECKSUM_FAILURE_TEXT = "KV checksum mismatch"
 _SENT_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
@@ -527,22 +524,14 @@ class Engine:
 
     def _update(self, step: _Step, result: _StepResult) -> None:
         """The scheduler's part after a step (``update_from_output``)."""
-        failed: set[str] = set()
-        why = "failed verification"
+        failed: dict[str, str] = {}
         if self.checksums is not None:
-            stats = self.checksums.stats
-            mismatches, unverified = stats.mismatch, stats.unverified.copy()
             output = _ConnectorOutput(result.records, set(step.finished_loads))
             skip = {
                 req_id for req_id, load in step.finished_loads.items() if load.error
             }
-            failed = self.checksums.update_from_output(output, skip)
-            # Which outcome failed the loads, where the counts tell.
-            new_reasons = sorted(stats.unverified - unverified)
-            if stats.mismatch > mismatches and not new_reasons:
-                why = "does not match the producer's checksums"
-            elif new_reasons and stats.mismatch == mismatches:
-                why = f"could not be verified: {'; '.join(new_reasons)}"
+            self.checksums.update_from_output(output, skip)
+            failed = self.checksums.take_load_failures()
         for req_id, load in step.finished_loads.items():
             request = self._loading.pop(req_id, None)
             if request is None or request.finished:
@@ -550,11 +539,7 @@ class Engine:
             if load.error is not None:
                 self._load_failed(request, load.error)
             elif req_id in failed:
-                self._load_failed(
-                    request,
-                    f"{CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} "
-                    f"{why}",
-                )
+                self._load_failed(request, failed[req_id])
             else:
                 # The last prompt token is computed again, to sample the next.
                 request.num_computed_tokens = request.num_prompt_tokens - 1

@@ -52,9 +52,6 @@ logger = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-# Starts the error message of a load KVGuard fails: what the proxy matches.
-CHECKSUM_FAILURE_TEXT = "KV checksum mismatch"
-
 
 @dataclass
 class _StepOutput:
@@ -230,30 +227,17 @@ class KVGuardScheduler:
                     complete.add(req_id)
         # vLLM already failed these: nothing to verify, the state is dropped.
         failed_by_inner = set(output.failed_recving or ())
-        stats = self._checksums.stats
-        mismatches, unverified = stats.mismatch, Counter(stats.unverified)
-        failed = self._checksums.update_from_output(
+        self._checksums.update_from_output(
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
+        failed = self._checksums.take_load_failures()
         if self._checksums.fail_closed:
             # The workers hold these loads until they hear.
             for req_id in complete:
                 self._loads.verdicts[req_id] = req_id in failed
-        if failed:
-            # Which outcome failed the loads, where the counts tell (as the
-            # fake engine words it).
-            new_reasons = sorted(stats.unverified - unverified)
-            why = "failed verification"
-            if stats.mismatch > mismatches and not new_reasons:
-                why = "does not match the producer's checksums"
-            elif new_reasons and stats.mismatch == mismatches:
-                why = f"could not be verified: {'; '.join(new_reasons)}"
-            for req_id in sorted(failed):
-                message = (
-                    f"{CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} {why}"
-                )
-                self._failed_loads[req_id] = message
-                logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
+        for req_id, message in sorted(failed.items()):
+            self._failed_loads[req_id] = message
+            logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
         self._flush()
 
     @_timed

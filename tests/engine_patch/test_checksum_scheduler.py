@@ -599,6 +599,35 @@ def test_fail_open_logs_and_counts_a_mismatch_but_lets_the_load_proceed(
     assert "fail-open" in caplog.text
 
 
+def test_a_failed_load_says_why_in_its_failure_message() -> None:
+    tokens = {0: token_values(RNG, 40)}
+    producer = Producer(kv_config(full()))
+    encoded = producer.send(40, FakeBlocks.of([1, 2, 3]), tokens)
+    consumer = Consumer(kv_config(full()))
+    req = consumer_request("c", 40, {KV_TRANSFER_PARAMS_KEY: encoded})
+    consumer.load(req, FakeBlocks.of([4, 5, 6]), {0: corrupt(tokens[0], 20)})
+    assert consumer.scheduler.take_load_failures() == {
+        "c": "KV checksum mismatch: the KV loaded for request c does not match "
+        "the producer's checksums (group 0 block positions [1])"
+    }
+    # Taken once.
+    assert consumer.scheduler.take_load_failures() == {}
+
+
+def test_an_unverified_load_says_why_in_its_failure_message() -> None:
+    consumer = load_with_payload(None)
+    assert consumer.scheduler.take_load_failures() == {
+        "c": f"KV checksum mismatch: the KV loaded for request c could not be "
+        f"verified: {UnverifiedReason.NO_CHECKSUMS}"
+    }
+
+
+def test_fail_open_has_no_load_failures() -> None:
+    consumer = load_with_payload(None, fail_closed=False)
+    assert consumer.stats.unverified
+    assert consumer.scheduler.take_load_failures() == {}
+
+
 def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
     num_tokens = 80
     tokens = {0: token_values(RNG, num_tokens)}
