@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # This machine's CPU build of torch; the `engine` extra's range then installs nothing more.
 TORCH ?= torch==2.13.0
+# vllm-router for the proxy benchmark, in its own environment.
+BENCH_VENV ?= .venv-bench
 
-.PHONY: venv demo test lint typecheck bench test-vllm clean
+.PHONY: venv demo test lint typecheck test-vllm bench bench-checksum bench-proxy \
+	bench-vllm clean
 
 $(BIN)/kvguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +29,28 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy engine_patch proxy fake_engine kvguard
 
-test: lint
+test: lint typecheck
 	$(BIN)/pytest -q
 
-bench: venv
+# Real vLLM 0.32 on CPU (its own venv, a tiny local model, two instances + the proxy).
+test-vllm:
+	PYTHON=$(PYTHON) scripts/test_vllm.sh
+
+bench: bench-checksum bench-proxy
+
+bench-checksum: venv
 	$(BIN)/python benchmarks/bench_checksum.py
 
+$(BENCH_VENV)/bin/vllm-router:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q vllm-router==0.1.17
+
+bench-proxy: venv $(BENCH_VENV)/bin/vllm-router
+	$(BIN)/python benchmarks/bench_proxy.py --router-bin $(BENCH_VENV)/bin/vllm-router
+
+# Needs the venv `make test-vllm` creates.
+bench-vllm:
+	.venv-vllm/bin/python benchmarks/bench_vllm_pd.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis build
