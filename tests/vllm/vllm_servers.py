@@ -35,6 +35,8 @@ MODEL_DIR = Path(os.environ.get("KVGUARD_TINY_MODEL", WORK_DIR / "tiny-llama"))
 STARTUP_TIMEOUT_S = float(os.environ.get("KVGUARD_VLLM_STARTUP_S", "360"))
 # Seconds after which `timeout` kills a server whatever happens.
 SERVER_LIFETIME_S = 1500
+# How long the proxy may take to answer /health after its start.
+PROXY_STARTUP_S = 120
 REQUEST_TIMEOUT_S = 120.0
 BLOCK_SIZE = 32
 # 256 MiB of KV cache: thousands of the tiny model's 16 KiB blocks.
@@ -304,7 +306,9 @@ class ProxyServer(Server):
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
         """Raises: RuntimeError: If the proxy is not up in time."""
         assert self.process is not None
-        deadline = time.monotonic() + 30
+        # Its first start imports from a fresh venv while two vLLM instances
+        # keep both cores busy: seen to take over 30 s in CI-like runs.
+        deadline = time.monotonic() + PROXY_STARTUP_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 break
@@ -317,7 +321,10 @@ class ProxyServer(Server):
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.2)
-        raise RuntimeError(f"proxy not ready:\n{self.log_tail()}")
+        state = "running" if self.process.poll() is None else "exited"
+        raise RuntimeError(
+            f"proxy not ready after {PROXY_STARTUP_S} s ({state}):\n{self.log_tail()}"
+        )
 
 
 @dataclass
