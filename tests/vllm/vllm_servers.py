@@ -297,6 +297,7 @@ class ProxyServer(Server):
                 subprocess.Popen(
                     command,
                     cwd=REPO,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -374,8 +375,10 @@ class Pair:
         )
         for server, spec in changed:
             STARTUPS.append((f"{server.name} ({spec.connector})", server.ready_s))
+        started = time.monotonic()
         self.proxy.launch(self.producer.url, self.consumer.url)
         await self.proxy.wait_ready(self.session)
+        STARTUPS.append(("proxy", time.monotonic() - started))
 
     def stop(self) -> None:
         for server in (self.proxy, self.consumer, self.producer):
