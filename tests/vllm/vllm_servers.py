@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -270,8 +270,15 @@ class VllmServer(Server):
 class ProxyServer(Server):
     """The KVGuard proxy in front of one prefill and one decode."""
 
+    launches: int = 0
+    # What each failed /health probe of the last start saw.
+    probes: list[str] = field(default_factory=list)
+
     def launch(self, prefill: str, decode: str) -> None:
         self.port = free_port()
+        # A log per launch, kept for the run.
+        self.launches += 1
+        self.log_path = self.log_path.with_name(f"{self.name}-{self.launches}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Health probes patient enough for two cores shared with other work:
         # these tests are about KV loads, not about instances going away.
@@ -309,22 +316,27 @@ class ProxyServer(Server):
         assert self.process is not None
         # Its first start imports from a fresh venv while two vLLM instances
         # keep both cores busy: seen to take over 30 s in CI-like runs.
-        deadline = time.monotonic() + PROXY_STARTUP_S
+        started = time.monotonic()
+        deadline = started + PROXY_STARTUP_S
+        self.probes = []
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 break
+            at = f"{time.monotonic() - started:.1f} s"
             try:
                 async with session.get(
                     f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)
                 ) as response:
                     if response.status == 200:
                         return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
+                    self.probes.append(f"{at}: HTTP {response.status}")
+            except (aiohttp.ClientError, TimeoutError) as e:
+                self.probes.append(f"{at}: {type(e).__name__}")
             await asyncio.sleep(0.2)
         state = "running" if self.process.poll() is None else "exited"
         raise RuntimeError(
-            f"proxy not ready after {PROXY_STARTUP_S} s ({state}):\n{self.log_tail()}"
+            f"proxy not ready after {PROXY_STARTUP_S} s ({state}); probes "
+            f"{self.probes[-5:]}:\n{self.log_tail()}"
         )
 
 
@@ -378,7 +390,10 @@ class Pair:
         started = time.monotonic()
         self.proxy.launch(self.producer.url, self.consumer.url)
         await self.proxy.wait_ready(self.session)
-        STARTUPS.append(("proxy", time.monotonic() - started))
+        seconds = time.monotonic() - started
+        # A slow start names its log and what the last probes saw.
+        slow = f" [{self.proxy.log_path.name}: {self.proxy.probes[-3:]}]"
+        STARTUPS.append((f"proxy{slow if seconds > 10 else ''}", seconds))
 
     def stop(self) -> None:
         for server in (self.proxy, self.consumer, self.producer):
