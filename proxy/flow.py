@@ -413,17 +413,17 @@ class Flow:
     ) -> web.StreamResponse | Failure:
         """The decode leg; frees the prefill's held KV whenever it won't be pulled."""
         body = decode_body(req.body, kv_params)
+        headers = {**decode.headers, "X-Request-Id": attempt_id}
         pulled = False  # True once the decode produced data: the KV was loaded
         decode.in_flight += 1
         try:
-            if req.body.stream:
-                answer = await self._decode_stream(
-                    req, attempt_id, prefill, decode, body, entry
-                )
-            else:
-                answer = await self._decode_json(
-                    req, attempt_id, prefill, decode, body, entry
-                )
+            remaining = req.remaining()
+            if remaining <= 0:
+                return Failure("total_timeout", "total timeout exceeded", "decode")
+            leg = self._decode_stream if req.body.stream else self._decode_json
+            answer = await leg(
+                req, attempt_id, prefill, decode, body, headers, remaining, entry
+            )
             pulled = not isinstance(answer, Failure) and 200 <= answer.status < 300
             return answer
         finally:
@@ -438,16 +438,14 @@ class Flow:
         prefill: Instance | None,
         decode: Instance,
         body: bytes,
+        headers: dict[str, str],
+        remaining: float,
         entry: dict[str, Any],
     ) -> web.StreamResponse | Failure:
         st = self.state
-        remaining = req.remaining()
-        if remaining <= 0:
-            return Failure("total_timeout", "total timeout exceeded", "decode")
         timeout = aiohttp.ClientTimeout(
             total=remaining, sock_connect=req.config.timeouts.connect_s
         )
-        headers = {**decode.headers, "X-Request-Id": attempt_id}
         started = time.monotonic()
         try:
             async with st.session.post(
@@ -486,15 +484,13 @@ class Flow:
         prefill: Instance | None,
         decode: Instance,
         body: bytes,
+        headers: dict[str, str],
+        remaining: float,
         entry: dict[str, Any],
     ) -> web.StreamResponse | Failure:
         st = self.state
         cfg = req.config
-        remaining = req.remaining()
-        if remaining <= 0:
-            return Failure("total_timeout", "total timeout exceeded", "decode")
         first_token_s = min(cfg.timeouts.decode_first_token_s, remaining)
-        headers = {**decode.headers, "X-Request-Id": attempt_id}
         started = time.monotonic()
         resp: aiohttp.ClientResponse | None = None
         scanner = FirstEventScanner()
