@@ -207,17 +207,13 @@ class EngineServer:
             engine_request,
             chunk,
             role_chunk=None,
-            final_usage=(
-                lambda num_output: usage_chunk(
-                    response_id=response_id,
-                    created=created,
-                    model=self.model_name,
-                    obj="text_completion",
-                    usage=stream_usage(len(prompt_ids), num_output),
-                )
-            )
-            if body.include_usage
-            else None,
+            final_usage=self._final_usage(
+                body.include_usage,
+                response_id,
+                created,
+                len(prompt_ids),
+                "text_completion",
+            ),
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -297,17 +293,13 @@ class EngineServer:
                 if body.continuous_usage
                 else None,
             ),
-            final_usage=(
-                lambda num_output: usage_chunk(
-                    response_id=response_id,
-                    created=created,
-                    model=self.model_name,
-                    obj="chat.completion.chunk",
-                    usage=stream_usage(len(prompt_ids), num_output),
-                )
-            )
-            if body.include_usage
-            else None,
+            final_usage=self._final_usage(
+                body.include_usage,
+                response_id,
+                created,
+                len(prompt_ids),
+                "chat.completion.chunk",
+            ),
         )
 
     @property
@@ -554,6 +546,26 @@ class EngineServer:
                 )
             )
         return json_response(build("".join(text), out, token_ids))
+
+    def _final_usage(
+        self,
+        include_usage: bool,
+        response_id: str,
+        created: int,
+        num_prompt_tokens: int,
+        obj: str,
+    ) -> Callable[[int], dict[str, Any]] | None:
+        """The stream's closing usage chunk (``stream_options.include_usage``),
+        given the number of tokens generated; None if not asked for."""
+        if not include_usage:
+            return None
+        return lambda num_output: usage_chunk(
+            response_id=response_id,
+            created=created,
+            model=self.model_name,
+            obj=obj,
+            usage=stream_usage(num_prompt_tokens, num_output),
+        )
 
     async def _stream_response(
         self,
