@@ -77,6 +77,40 @@ class KVCacheConfig:
             )
 
 
+# Sliding-window groups are checksummed per this many tokens (per block where
+# blocks are smaller), whatever their block size: a consumer drops the blocks
+# that left its window in units of its own block size, so values per 16 tokens
+# line up on both sides for block sizes 16, 32, 64, ... and the first kept
+# block never starts inside a checksummed span.
+SLIDING_WINDOW_CHECKSUM_TOKENS = 16
+
+
+def checksum_tokens(spec_type: str, block_size: int) -> int:
+    """Tokens per checksum value of a group: its block size, or
+    :data:`SLIDING_WINDOW_CHECKSUM_TOKENS` for a sliding-window group with
+    larger blocks (then a divisor of the block size), or 1 for a state
+    group (one running state per request).
+
+    ``spec_type`` is ``"full_attention"``, ``"sliding_window"`` or
+    ``"mamba"`` (``engine_patch.worker.KVLayer.spec_type``).
+    """
+    if spec_type == "mamba":
+        return 1
+    span = SLIDING_WINDOW_CHECKSUM_TOKENS
+    if spec_type == "sliding_window" and block_size > span and block_size % span == 0:
+        return span
+    return block_size
+
+
+def spec_type_of(spec: KVCacheSpec) -> str:
+    """The ``spec_type`` name of a spec (see :func:`checksum_tokens`)."""
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    return "full_attention"
+
+
 def sliding_window_transfer_blocks(spec: KVCacheSpec) -> int:
     """How many of a request's last blocks P/D connectors transfer for a
     sliding-window group; 0 for other groups (all blocks).

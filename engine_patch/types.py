@@ -54,8 +54,13 @@ class KVChecksumScheduled:
 class KVChecksumGroup:
     """One worker's checksums of one request's blocks in one group.
 
-    ``values[i, j]`` is the partial checksum of block position ``start + i``
-    over the layers and heads with replica key ``replica_keys[j]``.
+    ``values[i, j]`` is the partial checksum of span ``start + i`` over the
+    layers and heads with replica key ``replica_keys[j]``. A span is
+    ``kv_cache.checksum_tokens(spec_type, block_size)`` tokens: a block, or
+    for sliding-window groups with blocks over 16 tokens a 16-token part of
+    one (block position ``p`` of ``KVChecksumBlocks`` then gives spans
+    ``p * k`` to ``p * k + k - 1``, ``k = block_size // 16``), or for state
+    groups the one running state at span 0.
     ``stored`` (loads of offloaded KV only) holds, per block, the value the
     worker offloaded with it (``KVChecksumWorker.init_block_checksums``).
     """
