@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,15 @@ from proxy.health import Health
 from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
+from proxy.status import status_page
 
 log = logging.getLogger("kvguard.proxy")
 
 _encode_json = msgspec.json.Encoder().encode
 _decode_json = msgspec.json.Decoder().decode
+
+# How many KV integrity failures the proxy keeps for /status.
+RECENT_FAILURES = 50
 
 
 class ProxyState:
@@ -57,6 +62,8 @@ class ProxyState:
         self.router = Router(self.tracker)
         self.health = Health(self)
         self.discovery = Discovery(self)
+        # The last KV integrity failures (their attempt log entries), for /status.
+        self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -364,6 +371,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/status", status_page)
     add_admin_routes(app, STATE)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
