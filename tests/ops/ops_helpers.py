@@ -13,9 +13,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -284,3 +286,87 @@ class Load:
     @property
     def failures(self) -> list[tuple[int, bool]]:
         return [r for r in self.results if r != (200, True)]
+
+
+# ----------------------------------------------------------------- browser
+
+
+def chromium(*args: str, profile: Path, within: float = 90) -> str:
+    """Runs headless Chromium (as root too) with ``args``; returns its stdout."""
+    binary = need("chromium", "chromium")
+    cmd = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
+    done = subprocess.run(cmd, capture_output=True, timeout=within, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"chromium failed: {done.stderr.decode(errors='replace')[-2000:]}")
+    return done.stdout.decode()
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
+    """(width, height, RGB rows) of an 8-bit RGB or RGBA, non-interlaced PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat = 8, b""
+    width = height = channels = 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            width, height, depth, color, _, _, interlace = struct.unpack(
+                ">IIBBBBB", body
+            )
+            assert depth == 8 and color in (2, 6) and not interlace, "unsupported PNG"
+            channels = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    rows: list[bytes] = []
+    prev = bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        for x in range(stride):
+            left = line[x - channels] if x >= channels else 0
+            up = prev[x]
+            corner = prev[x - channels] if x >= channels else 0
+            if kind == 1:
+                line[x] = (line[x] + left) & 255
+            elif kind == 2:
+                line[x] = (line[x] + up) & 255
+            elif kind == 3:
+                line[x] = (line[x] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner
+                line[x] = (line[x] + pred) & 255
+        prev = line
+        if channels == 4:
+            line = bytearray(b for i, b in enumerate(line) if i % 4 != 3)
+        rows.append(bytes(line))
+    return width, height, rows
+
+
+def count_color(rows: list[bytes], rgb: tuple[int, int, int]) -> int:
+    """Pixels of exactly ``rgb``."""
+    needle = bytes(rgb)
+    total = 0
+    for row in rows:
+        for x in range(0, len(row), 3):
+            if row[x : x + 3] == needle:
+                total += 1
+    return total
