@@ -11,6 +11,7 @@ import pytest
 from ops_helpers import Dnsmasq, Load, complete, eventually, metric, running_proxy
 
 from proxy.config import ConfigError, parse_config
+from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
 
 torch = pytest.importorskip("torch")
@@ -221,3 +222,51 @@ discovery:
     assert ok.models["m"].prefill.instances[0].dns == "p.kv:8100"
     with pytest.raises(ConfigError, match=r"discovery.nameservers.*IP:PORT"):
         parse_config(base % '["kube-dns.kube-system"]')
+
+
+async def test_without_health_checks_discovery_probes_new_instances_itself():
+    port, servers = await _engines_on_one_port(
+        {
+            PREFILL_A: EngineConfig(role=Role.PRODUCER),
+            DECODE: EngineConfig(role=Role.CONSUMER, fail_closed=True),
+        }
+    )
+    dns = Dnsmasq()
+    try:
+        dns_port = await dns.start(
+            {"prefill.kv.test": [PREFILL_A, DEAD], "decode.kv.test": [DECODE]}
+        )
+        config = {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": f"prefill.kv.test:{port}"}]},
+                    "decode": {"instances": [{"dns": f"decode.kv.test:{port}"}]},
+                }
+            },
+            "discovery": {"interval_s": 0.2, "nameservers": [f"127.0.0.1:{dns_port}"]},
+            "health": {"enabled": False},
+        }
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+
+            def usable() -> bool:
+                pool = _pool_urls(proxy.state)
+                return len(pool) == 2 and pool[f"http://{PREFILL_A}:{port}"].healthy
+
+            await eventually(usable, "the live prefill probed into rotation")
+            assert not _pool_urls(proxy.state)[f"http://{DEAD}:{port}"].healthy
+            for stream in (False, True):
+                status, text = await complete(http, proxy.url, "hello", stream)
+                assert status == 200 and text
+    finally:
+        dns.stop()
+        for server in servers:
+            await server.stop()
+
+
+def test_addresses_become_instance_urls():
+    assert instance_url("10.1.0.5", 8100) == "http://10.1.0.5:8100"
+    assert instance_url("fd00::5", 8100) == "http://[fd00::5]:8100"
+    assert split_dns_name("prefill.kv.svc.cluster.local:8100") == (
+        "prefill.kv.svc.cluster.local",
+        8100,
+    )
