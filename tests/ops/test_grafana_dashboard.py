@@ -16,7 +16,7 @@ import re
 
 import aiohttp
 import pytest
-from ops_helpers import DEPLOY, REPO, complete, running_proxy
+from ops_helpers import DEPLOY, REPO, complete, metric, running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = DEPLOY / "grafana" / "kvguard-dashboard.json"
@@ -90,7 +90,8 @@ def _sample_names(exposition: str) -> set[str]:
     }
 
 
-async def _scraped_names() -> set[str]:
+async def _scrape_after_traffic() -> dict[str, str]:
+    """/metrics of the proxy and each fake engine (by role) after traffic."""
     pytest.importorskip("torch")
     from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
     from fake_engine.testing import EngineSpec, fake_engines
@@ -118,11 +119,15 @@ async def _scraped_names() -> set[str]:
                 *(complete(http, proxy.url, f"q{i}", i % 2 == 0) for i in range(8))
             )
             assert all(status == 200 for status, _ in answers)
-            names: set[str] = set()
-            for url in (proxy.url, *urls):
+            texts = {}
+            for role, url in zip(
+                ("proxy", "prefill", "bad prefill", "decode"),
+                (proxy.url, *urls),
+                strict=True,
+            ):
                 async with http.get(url + "/metrics") as resp:
-                    names |= _sample_names(await resp.text())
-    return names
+                    texts[role] = await resp.text()
+    return texts
 
 
 def test_the_metric_lexer_finds_names_and_only_names():
@@ -134,7 +139,13 @@ def test_the_metric_lexer_finds_names_and_only_names():
 
 
 async def test_every_dashboard_query_names_exported_metrics():
-    exported = await _scraped_names() | vllm_connector_metrics()
+    texts = await _scrape_after_traffic()
+    scraped = set().union(*map(_sample_names, texts.values()))
+    exported = scraped | vllm_connector_metrics()
+    # The fake engines report checksum throughput as vLLM's connector does.
+    for role in ("prefill", "decode"):
+        assert metric(texts[role], "kvguard_kv_checksum_bytes_total") > 0
+        assert metric(texts[role], "kvguard_kv_checksum_seconds_total") > 0
     queries = _queries()
     assert len(queries) >= 15
     missing = {
