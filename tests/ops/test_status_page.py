@@ -79,14 +79,15 @@ def test_status_page_highlights_the_corrupting_prefill_in_chromium(tmp_path):
     proc, urls = _start_demo()
     try:
         shot = tmp_path / "status.png"
-        chromium(
+        # One page load: its screenshot to a file, its DOM to stdout.
+        dom = chromium(
             "--window-size=1280,900",
             "--hide-scrollbars",
             f"--screenshot={shot}",
+            "--dump-dom",
             urls["status"],
-            profile=tmp_path / "profile-shot",
+            profile=tmp_path / "profile",
         )
-        dom = chromium("--dump-dom", urls["status"], profile=tmp_path / "profile-dom")
     finally:
         proc.send_signal(signal.SIGINT)
         try:
