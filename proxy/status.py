@@ -163,38 +163,30 @@ def _matrix(
     A prefill row is highlighted while the prefill is ejected or has failures
     with a decode in the matrix.
     """
-    prefill_urls = [i.url for i in prefills]
-    decode_urls = [i.url for i in decodes]
-    by_url = {i.url: i for i in (*prefills, *decodes)}
     now = time.monotonic()
     head = "<tr><th>prefill \\ decode</th>" + "".join(
-        f"<th>{escape(d)}</th>" for d in decode_urls
+        f"<th>{escape(d.url)}</th>" for d in decodes
     )
     head += "</tr>"
     rows = []
-    for p in prefill_urls:
-        inst = by_url.get(p)
-        row_failures = sum(failures.get((p, d), 0.0) for d in decode_urls)
-        label, _ = instance_state(inst, now) if inst else ("removed", "")
-        faulty = (inst is not None and inst.ejected) or row_failures > 0
-        cls = "bad" if faulty else ""
+    for prefill in prefills:
+        p = prefill.url
+        row_failures = sum(failures.get((p, d.url), 0.0) for d in decodes)
+        label, _ = instance_state(prefill, now)
+        faulty = prefill.ejected or row_failures > 0
         cells = [
-            f'<th class="{cls}" data-prefill="{escape(p)}">{escape(p)}'
-            f'<br><span class="muted">{escape(label)}</span></th>'
+            f'<th class="{"bad" if faulty else ""}" data-prefill="{escape(p)}">'
+            f'{escape(p)}<br><span class="muted">{escape(label)}</span></th>'
         ]
-        for d in decode_urls:
-            count = failures.get((p, d), 0.0)
-            dinst = by_url.get(d)
-            pair_out = (
-                inst is not None
-                and dinst is not None
-                and state.tracker.has_ejected_pairs()
-                and state.tracker.pair_ejected(inst, dinst)
+        for decode in decodes:
+            count = failures.get((p, decode.url), 0.0)
+            pair_out = state.tracker.has_ejected_pairs() and state.tracker.pair_ejected(
+                prefill, decode
             )
             text = f"{count:.0f}" + (" (pair ejected)" if pair_out else "")
             cells.append(
                 f'<td class="n {"bad" if count else "ok"}" data-pair="{escape(p)} '
-                f'{escape(d)}" data-failures="{count:.0f}">{escape(text)}</td>'
+                f'{escape(decode.url)}" data-failures="{count:.0f}">{escape(text)}</td>'
             )
         rows.append(f'<tr class="{"failing" if faulty else ""}">{"".join(cells)}</tr>')
     return (
