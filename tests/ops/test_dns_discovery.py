@@ -270,3 +270,38 @@ def test_addresses_become_instance_urls():
         "prefill.kv.svc.cluster.local",
         8100,
     )
+
+
+async def test_the_system_resolver_is_the_default():
+    # No nameservers: getaddrinfo, as in a pod (/etc/hosts, resolv.conf).
+    port, servers = await _engines_on_one_port(
+        {
+            "127.0.0.1": EngineConfig(role=Role.PRODUCER),
+            PREFILL_B: EngineConfig(role=Role.CONSUMER, fail_closed=True),
+        }
+    )
+    try:
+        config = {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": f"localhost:{port}"}]},
+                    "decode": {"instances": [{"url": f"http://{PREFILL_B}:{port}"}]},
+                }
+            },
+            "discovery": {"interval_s": 0.2},
+            "health": {"interval_s": 0.2},
+        }
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{port}"
+
+            def found() -> bool:
+                inst = _pool_urls(proxy.state).get(url)
+                return inst is not None and inst.healthy
+
+            await eventually(found, "localhost found by getaddrinfo and probed")
+            assert _pool_urls(proxy.state)[url].discovered_by == f"localhost:{port}"
+            status, text = await complete(http, proxy.url, "hello", False)
+            assert status == 200 and text
+    finally:
+        for server in servers:
+            await server.stop()
