@@ -334,6 +334,8 @@ class Engine:
         )
         if self.checksums is not None:
             snap.checksum_stats = self.checksums.stats
+            snap.checksum_bytes = sum(w.checksum_bytes for w in self.workers)
+            snap.checksum_seconds = sum(w.checksum_seconds for w in self.workers)
         return snap
 
     # The step loop.

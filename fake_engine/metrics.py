@@ -21,6 +21,8 @@ class EngineSnapshot:
     """What the engine's state says at scrape time."""
 
     checksum_stats: KVChecksumStats = field(default_factory=KVChecksumStats)
+    checksum_bytes: int = 0
+    checksum_seconds: float = 0.0
     blocks_held: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
@@ -56,6 +58,16 @@ class _EngineCollector(Collector):
             "kvguard_kv_checksum_sent",
             "Producer requests that sent checksums with their KV.",
             value=stats.sent,
+        )
+        yield CounterMetricFamily(
+            "kvguard_kv_checksum_bytes",
+            "Bytes of KV the workers checksummed.",
+            value=snap.checksum_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvguard_kv_checksum_seconds",
+            "Time the workers spent checksumming KV.",
+            value=snap.checksum_seconds,
         )
         yield GaugeMetricFamily(
             "kvguard_kv_blocks_held",

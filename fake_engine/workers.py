@@ -4,11 +4,17 @@ of every layer in paged torch tensors, and runs an engine_patch
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from engine_patch.types import KVChecksumRecord, KVChecksumScheduled
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 from fake_engine.config import EngineConfig
+
+_T = TypeVar("_T")
 
 
 def layer_name(index: int) -> str:
@@ -50,6 +56,10 @@ class TPWorker:
         self.checksums: KVChecksumWorker | None = None
         if config.kv_checksums:
             self.checksums = KVChecksumWorker(self.kv_layers(), tp_rank=rank)
+        # Checksum work so far, exported like vLLM's connector does (throughput).
+        self.checksum_bytes = 0
+        self.checksum_seconds = 0.0
+        self._block_bytes = self.kv[:, :, 0].numel() * self.kv.element_size()
 
     def kv_layers(self) -> list[KVLayer]:
         """This rank's layers as engine_patch sees them."""
@@ -82,18 +92,42 @@ class TPWorker:
     def begin_step(
         self, finished_req_ids: set[str], scheduled: KVChecksumScheduled | None
     ) -> None:
-        if self.checksums is not None:
+        checksums = self.checksums
+        if checksums is not None:
+            if scheduled is not None:
+                self._count_bytes(scheduled)
             if finished_req_ids:
-                self.checksums.request_finished(finished_req_ids)
-            self.checksums.begin_step(scheduled)
+                checksums.request_finished(finished_req_ids)
+            self._timed(lambda: checksums.begin_step(scheduled))
 
     def after_forward(self) -> None:
         if self.checksums is not None:
-            self.checksums.after_forward()
+            self._timed(self.checksums.after_forward)
 
     def on_loads_finished(self, req_ids: set[str]) -> None:
-        if self.checksums is not None and req_ids:
-            self.checksums.on_loads_finished(req_ids)
+        checksums = self.checksums
+        if checksums is not None and req_ids:
+            self._timed(lambda: checksums.on_loads_finished(req_ids))
 
     def take_record(self) -> KVChecksumRecord | None:
-        return None if self.checksums is None else self.checksums.take_record()
+        if self.checksums is None:
+            return None
+        return self._timed(self.checksums.take_record)
+
+    def _count_bytes(self, scheduled: KVChecksumScheduled) -> None:
+        """KV this rank checksums for the step's sends and (finishing) loads."""
+        for reqs in (
+            scheduled.reqs_to_send,
+            scheduled.reqs_to_recv,
+            scheduled.reqs_to_load,
+        ):
+            for blocks in reqs.values():
+                for _, block_ids in blocks.groups.values():
+                    self.checksum_bytes += len(block_ids) * self._block_bytes
+
+    def _timed(self, fn: Callable[[], _T]) -> _T:
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.checksum_seconds += time.perf_counter() - start

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import re
+import signal
 import sys
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from proxy.app import STATE, create_app
 from proxy.config import ProxyConfig
+from proxy.instances import Instance
 
 PROMPTS = [
     "Explain why a prefill instance hands its KV cache to a decode instance.",
@@ -41,6 +43,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument(
         "--verbose", action="store_true", help="show engine and proxy logs"
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the traffic, keep everything running and print the proxy's "
+        "status page URL (Ctrl-C stops)",
     )
     return parser.parse_args(argv)
 
@@ -154,15 +162,55 @@ async def _run(args: argparse.Namespace) -> int:
                 for url in (good, bad):
                     text = await _get(session, url + "/metrics")
                     held += _metric(text, "kvguard_kv_blocks_held")
+            bad_inst = next(i for i in state.all_instances() if i.url == bad)
+            ok = _summary(
+                args,
+                outcomes,
+                elapsed,
+                proxy_metrics,
+                decode_metrics,
+                held,
+                bad,
+                bad_inst,
+            )
+            if args.keep:
+                await _keep_running(proxy)
         finally:
             await runner.cleanup()
+    return 0 if ok else 1
 
+
+async def _keep_running(proxy: str) -> None:
+    """Waits for Ctrl-C or SIGTERM, the proxy and engines still serving."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"\nThe demo keeps running. Status page: {proxy}/status", flush=True)
+    print(f"Send requests to {proxy}/v1/completions; Ctrl-C stops.", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _summary(
+    args: argparse.Namespace,
+    outcomes: list[tuple[bool, bool]],
+    elapsed: float,
+    proxy_metrics: str,
+    decode_metrics: str,
+    held: float,
+    bad: str,
+    bad_inst: Instance,
+) -> bool:
+    """Prints what happened; True when every answer was right."""
     identical = sum(ok for _, ok in outcomes)
     streams = sum(stream for stream, _ in outcomes)
     caught = _metric(decode_metrics, "kvguard_kv_checksum_mismatch_total")
     integrity = _metric(proxy_metrics, "kvguard_proxy_kv_integrity_failures_total")
     retries = _metric(proxy_metrics, "kvguard_proxy_retries_total")
-    bad_inst = next(i for i in state.all_instances() if i.url == bad)
     ejected = _metric(
         proxy_metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance"
     )
@@ -198,7 +246,8 @@ async def _run(args: argparse.Namespace) -> int:
         print(
             "\nThe demo did not go as expected (run with --verbose).", file=sys.stderr
         )
-    return 0 if ok else 1
+    sys.stdout.flush()
+    return ok
 
 
 def main(argv: list[str]) -> int:

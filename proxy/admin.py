@@ -136,12 +136,7 @@ async def _remove(state: ProxyState, request: web.Request) -> web.Response:
                 raise _Invalid(
                     f"cannot remove the last {pool.role} instance of a model"
                 )
-    for pools in state.models.values():
-        for pool in (pools.prefill, pools.decode):
-            pool.instances = [i for i in pool.instances if i not in gone]
-    for inst in gone:
-        inst.removed = True
-        state.tracker.forget(inst)
+    state.remove_instances(gone)
     return _listing(state)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterator
+from collections import deque
+from collections.abc import Collection, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from proxy.config import (
     load_config,
     read_secret,
 )
+from proxy.discovery import Discovery
 from proxy.ejection import Ejection, IntegrityTracker
 from proxy.errors import error_response
 from proxy.flow import Flow
@@ -38,11 +40,15 @@ from proxy.health import Health
 from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
+from proxy.status import status_page
 
 log = logging.getLogger("kvguard.proxy")
 
 _encode_json = msgspec.json.Encoder().encode
 _decode_json = msgspec.json.Decoder().decode
+
+# How many KV integrity failures the proxy keeps for /status.
+RECENT_FAILURES = 50
 
 
 class ProxyState:
@@ -55,10 +61,14 @@ class ProxyState:
         self.tracker = IntegrityTracker(config.ejection)
         self.router = Router(self.tracker)
         self.health = Health(self)
+        self.discovery = Discovery(self)
+        # The last KV integrity failures (their attempt log entries), for /status.
+        self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_task: asyncio.Task[None] | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
         self.config = config
         self.apply(config)
 
@@ -99,6 +109,7 @@ class ProxyState:
         )
         level = getattr(logging, config.logging.level.upper())
         logging.getLogger("kvguard.proxy").setLevel(level)
+        self.discovery.wake()
 
     @staticmethod
     def _pool(
@@ -113,9 +124,20 @@ class ProxyState:
         instances = []
         for inst_cfg in cfg.instances:
             keys = read_secret(
-                inst_cfg.api_key_env, inst_cfg.api_key_file, f"{inst_cfg.url} api key"
+                inst_cfg.api_key_env, inst_cfg.api_key_file, f"{inst_cfg.key} api key"
             )
             key = keys[0] if keys else auth.backend_key
+            if inst_cfg.url is None:
+                # A dns: entry keeps what discovery found; it resolves again now.
+                for found in old.values():
+                    if (found.model, found.role) == (model, role) and (
+                        found.discovered_by == inst_cfg.dns
+                    ):
+                        found.weight = inst_cfg.weight
+                        found.set_api_key(key)
+                        kept.add(found)
+                        instances.append(found)
+                continue
             inst = old.get((model, role, inst_cfg.url))
             if inst is None:
                 inst = Instance(inst_cfg.url, role, model, inst_cfg.weight, key)
@@ -142,6 +164,16 @@ class ProxyState:
             log.warning("server.host/port changes need a restart; ignored on reload")
         log.warning("configuration reloaded from %s", self.source)
         return True
+
+    def remove_instances(self, gone: Collection[Instance]) -> None:
+        """Takes ``gone`` out of every pool; requests in flight on them finish."""
+        for pools in self.models.values():
+            for pool in (pools.prefill, pools.decode):
+                if any(i in gone for i in pool.instances):
+                    pool.instances = [i for i in pool.instances if i not in gone]
+        for inst in gone:
+            inst.removed = True
+            self.tracker.forget(inst)
 
     def pools_for(self, model: str | None) -> ModelPools | None:
         """The pools serving ``model``; with no model named, the only one configured."""
@@ -186,12 +218,14 @@ class ProxyState:
             skip_auto_headers=("User-Agent",),
         )
         self._health_task = asyncio.create_task(self.health.run())
+        self._discovery_task = asyncio.create_task(self.discovery.run())
 
     async def stop(self, app: web.Application | None = None) -> None:
         """Stops health checks, lets background aborts finish, closes the session."""
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in (self._health_task, self._discovery_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2)
         if self._session is not None:
@@ -337,6 +371,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/status", status_page)
     add_admin_routes(app, STATE)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)

@@ -7,6 +7,7 @@ instead of a half-configured proxy.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -54,10 +55,64 @@ def normalize_url(value: str) -> str:
     return str(url).rstrip("/")
 
 
-class InstanceConfig(_Strict):
-    """One backend vLLM (or fake engine) instance."""
+def normalize_dns_name(value: str) -> str:
+    """Returns ``host:port`` for a DNS pool entry, the host lower-cased.
 
-    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8100")
+    Raises:
+        ValueError: not a bare ``host:port`` (no scheme, path or user), or no port.
+    """
+    text = value.strip()
+    url = URL(f"http://{text}") if "://" not in text else None
+    if (
+        url is None
+        or not url.host
+        or url.explicit_port is None
+        or url.path not in ("", "/")
+        or url.user
+        or url.query_string
+        or url.fragment
+    ):
+        raise ValueError(f"must be host:port, e.g. prefill.kv.svc:8100, got {value!r}")
+    return f"{url.host.lower()}:{url.explicit_port}"
+
+
+def _nameserver(value: str) -> str:
+    """Checks ``ip``, ``ip:port`` or ``[ipv6]:port``; returns it unchanged.
+
+    Raises:
+        ValueError: not an IP address with an optional port.
+    """
+    host, port = value, None
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else (rest or None)
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"bad nameserver {value!r}")
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+    try:
+        ipaddress.ip_address(host)
+        if port is not None and not 0 < int(port) < 65536:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"nameserver must be IP, IP:PORT or [IPv6]:PORT, got {value!r}"
+        ) from None
+    return value
+
+
+class InstanceConfig(_Strict):
+    """One backend instance (``url``), or every address a DNS name has (``dns``)."""
+
+    url: str | None = Field(
+        default=None, description="Base URL, e.g. http://10.0.0.5:8100"
+    )
+    dns: str | None = Field(
+        default=None,
+        description="host:port, e.g. prefill.kv.svc.cluster.local:8100: every A/AAAA "
+        "record is an instance http://ADDRESS:port, re-resolved every "
+        "discovery.interval_s (a headless Kubernetes Service, Consul DNS, Compose)",
+    )
     weight: float = Field(default=1.0, gt=0, description="Relative share of traffic")
     api_key_env: str | None = Field(
         default=None,
@@ -70,8 +125,24 @@ class InstanceConfig(_Strict):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, value: str) -> str:
-        return normalize_url(value)
+    def _url(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_url(value)
+
+    @field_validator("dns")
+    @classmethod
+    def _dns(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_dns_name(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InstanceConfig:
+        if (self.url is None) == (self.dns is None):
+            raise ValueError("give exactly one of url or dns")
+        return self
+
+    @property
+    def key(self) -> str:
+        """What identifies the entry in its pool: its URL or ``dns:host:port``."""
+        return self.url if self.url is not None else f"dns:{self.dns}"
 
 
 class PoolConfig(_Strict):
@@ -85,9 +156,9 @@ class PoolConfig(_Strict):
     def _unique(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
         seen: set[str] = set()
         for inst in value:
-            if inst.url in seen:
-                raise ValueError(f"instance {inst.url} is listed twice")
-            seen.add(inst.url)
+            if inst.key in seen:
+                raise ValueError(f"instance {inst.key} is listed twice")
+            seen.add(inst.key)
         return value
 
 
@@ -139,6 +210,31 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(default=2.0, gt=0)
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=1, ge=1)
+
+
+class DiscoveryConfig(_Strict):
+    """DNS discovery for ``dns:`` pool entries (``proxy.discovery``).
+
+    A new address starts out of rotation until a health probe passes; an
+    address that leaves DNS is drained (requests in flight finish) and then
+    removed. A failed lookup keeps the addresses last seen.
+    """
+
+    interval_s: float = Field(default=10.0, gt=0, description="Re-resolve period")
+    timeout_s: float = Field(default=2.0, gt=0, description="One lookup's limit")
+    nameservers: list[str] | None = Field(
+        default=None,
+        description='DNS servers to ask, e.g. ["10.96.0.10", "127.0.0.1:5353"]; '
+        "default: the system resolver (getaddrinfo: /etc/hosts, resolv.conf and "
+        "its search domains)",
+    )
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("give at least one nameserver, or leave it unset")
+        return None if value is None else [_nameserver(v) for v in value]
 
 
 class EjectionConfig(_Strict):
@@ -206,6 +302,7 @@ class ProxyConfig(_Strict):
     retry: RetryConfig = RetryConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     ejection: EjectionConfig = EjectionConfig()
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()

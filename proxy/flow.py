@@ -311,6 +311,8 @@ class Flow:
                 outcome = entry.pop("outcome", "ok")
             return answer
         finally:
+            if outcome == "kv_integrity":
+                self.state.recent_failures.append(entry)
             if self.state.config.logging.attempts and attempt_log.isEnabledFor(
                 logging.INFO
             ):

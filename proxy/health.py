@@ -81,6 +81,12 @@ class Health:
         except (TimeoutError, aiohttp.ClientError):
             return False
 
+    async def probe_instance(self, inst: Instance) -> bool:
+        """Probes ``inst`` now and applies the result (a new instance's way in)."""
+        ok = await self.probe(inst.url, inst.headers)
+        self._probed(inst, ok)
+        return ok
+
     async def check_all(self) -> None:
         """Probes every distinct URL once and applies the result to its instances."""
         by_url: dict[str, list[Instance]] = {}

@@ -23,6 +23,7 @@ class Instance:
         "api_key",
         "consecutive_failures",
         "consecutive_successes",
+        "discovered_by",
         "drained",
         "ejected_until",
         "ejections",
@@ -69,6 +70,8 @@ class Instance:
         self.ejected_until = 0.0  # 0: not ejected; else cooldown end (monotonic)
         self.ejections = 0
         self.rr_current = 0.0
+        # The ``dns:`` entry (host:port) that found this instance; None if configured.
+        self.discovered_by: str | None = None
 
     def set_api_key(self, api_key: str | None) -> None:
         self.api_key = api_key
@@ -104,6 +107,7 @@ class Instance:
             else 0.0,
             "ejections": self.ejections,
             "in_flight": self.in_flight,
+            "discovered_by": self.discovered_by,
         }
 
     def __repr__(self) -> str:

@@ -1,0 +1,236 @@
+"""DNS discovery: a ``dns: host:port`` pool entry is every address the name has.
+
+Each round resolves every such entry (A and AAAA records, through the system
+resolver or the configured nameservers) and reconciles its pool:
+
+- a new address becomes an Instance that starts *unhealthy*, so it takes no
+  traffic until a health probe passes (one is sent at once);
+- an address that left DNS is drained: requests in flight on it finish, no
+  new one is routed to it, and it is removed once idle;
+- an address that comes back while draining is undrained;
+- a failed lookup (timeout, NXDOMAIN, refused) keeps the addresses last seen:
+  a DNS outage must not empty a pool, and health probes still guard them.
+
+This is how a headless Kubernetes Service, Consul DNS or Docker Compose
+expose replicas. Kubernetes API discovery (pods by label) is not offered: DNS
+needs no cluster credentials and works the same outside Kubernetes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from aiohttp.abc import AbstractResolver
+from aiohttp.resolver import AsyncResolver, ThreadedResolver
+from prometheus_client import Counter, Gauge
+from yarl import URL
+
+from proxy.config import ConfigError, DiscoveryConfig, InstanceConfig, read_secret
+from proxy.instances import Instance, Pool
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyState
+
+log = logging.getLogger("kvguard.proxy.discovery")
+
+
+def split_dns_name(name: str) -> tuple[str, int]:
+    """``host:port`` (as ``normalize_dns_name`` returns it) as (host, port)."""
+    host, _, port = name.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def instance_url(address: str, port: int) -> str:
+    """The base URL of the instance at ``address`` (IPv4 or IPv6) and ``port``."""
+    return str(URL.build(scheme="http", host=address, port=port))
+
+
+def make_resolver(config: DiscoveryConfig) -> AbstractResolver:
+    """aiohttp's resolver for ``config``: c-ares on the nameservers, or getaddrinfo.
+
+    Raises:
+        RuntimeError: nameservers are configured but aiodns is not installed.
+    """
+    if config.nameservers is None:
+        return ThreadedResolver()
+    return AsyncResolver(
+        nameservers=list(config.nameservers), timeout=config.timeout_s, tries=2
+    )
+
+
+class Discovery:
+    """Resolves the state's ``dns:`` entries on an interval and reconciles pools."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self._resolver: AbstractResolver | None = None
+        self._resolver_config: DiscoveryConfig | None = None
+        self._wake = asyncio.Event()
+        # Instances this module drained because their address left DNS.
+        self._draining: set[Instance] = set()
+        registry = state.metrics.registry
+        self.lookups = Counter(
+            "kvguard_proxy_discovery_lookups",
+            "DNS lookups of dns: pool entries, by name and outcome (ok or error)",
+            ["name", "outcome"],
+            registry=registry,
+        )
+        self.addresses = Gauge(
+            "kvguard_proxy_discovery_addresses",
+            "Addresses the last successful lookup of a dns: entry returned",
+            ["name"],
+            registry=registry,
+        )
+
+    # ------------------------------------------------------------ the loop
+
+    def wake(self) -> None:
+        """Resolves again now (the configuration changed)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Resolves every entry, then again every ``discovery.interval_s`` (cancel
+        to stop)."""
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.refresh()
+                except Exception:  # a bug here must not end discovery
+                    log.exception("DNS discovery round failed")
+                try:
+                    async with asyncio.timeout(self.state.config.discovery.interval_s):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._resolver is not None:
+            await self._resolver.close()
+            self._resolver = None
+
+    def _entries(self) -> Iterator[tuple[str, Pool, InstanceConfig]]:
+        """(model, pool, entry) for every ``dns:`` entry of the current config."""
+        for name, model in self.state.config.models.items():
+            pools = self.state.models.get(name)
+            if pools is None:
+                continue
+            for role_cfg, pool in (
+                (model.prefill, pools.prefill),
+                (model.decode, pools.decode),
+            ):
+                for entry in role_cfg.instances:
+                    if entry.dns is not None:
+                        yield name, pool, entry
+
+    async def refresh(self) -> None:
+        """One round: resolve every distinct name, then reconcile every pool."""
+        names = {entry.dns for _, _, entry in self._entries() if entry.dns}
+        if not names:
+            self._reap()
+            return
+        resolver = await self._current_resolver()
+        found = await asyncio.gather(*(self.resolve(resolver, n) for n in names))
+        answers = {n: a for n, a in zip(names, found, strict=True) if a is not None}
+        # The configuration may have been reloaded while we waited: use the new one.
+        for model, pool, entry in self._entries():
+            addresses = answers.get(entry.dns or "")
+            if addresses is not None:
+                self._reconcile(model, pool, entry, addresses)
+            if not self.state.config.health.enabled:
+                # No health loop: probe the instances still waiting to enter.
+                for inst in pool.instances:
+                    if inst.discovered_by == entry.dns and not inst.healthy:
+                        self.state.spawn(self.state.health.probe_instance(inst))
+        self._reap()
+
+    async def _current_resolver(self) -> AbstractResolver:
+        config = self.state.config.discovery
+        if self._resolver is None or self._resolver_config != config:
+            await self.close()
+            self._resolver = make_resolver(config)
+            self._resolver_config = config
+        return self._resolver
+
+    async def resolve(self, resolver: AbstractResolver, name: str) -> set[str] | None:
+        """The instance URLs ``name`` resolves to, or None when the lookup failed."""
+        host, port = split_dns_name(name)
+        try:
+            async with asyncio.timeout(self.state.config.discovery.timeout_s * 2):
+                results = await resolver.resolve(host, port, family=socket.AF_UNSPEC)
+        except (OSError, TimeoutError) as exc:
+            self.lookups.labels(name, "error").inc()
+            log.warning("DNS lookup of %s failed, keeping its instances: %s", name, exc)
+            return None
+        self.lookups.labels(name, "ok").inc()
+        urls = {instance_url(r["host"], port) for r in results}
+        self.addresses.labels(name).set(len(urls))
+        return urls
+
+    # -------------------------------------------------------- reconciling
+
+    def _reconcile(
+        self, model: str, pool: Pool, entry: InstanceConfig, urls: set[str]
+    ) -> None:
+        """Makes ``pool``'s instances from ``entry`` match ``urls``."""
+        assert entry.dns is not None
+        mine = {i.url: i for i in pool.instances if i.discovered_by == entry.dns}
+        taken = {i.url for i in pool.instances}
+        for url, inst in mine.items():
+            if url in urls:
+                if inst in self._draining:
+                    self._draining.discard(inst)
+                    inst.drained = False
+                    log.warning("%s %s is back in DNS (%s)", pool.role, url, entry.dns)
+            elif inst not in self._draining:
+                self._draining.add(inst)
+                inst.drained = True
+                log.warning(
+                    "%s %s left DNS (%s): draining (%d in flight)",
+                    pool.role,
+                    url,
+                    entry.dns,
+                    inst.in_flight,
+                )
+        new = sorted(urls - taken)
+        if not new:
+            return
+        try:
+            keys = read_secret(entry.api_key_env, entry.api_key_file, f"{entry.dns}")
+        except ConfigError as exc:
+            log.error("cannot add instances found by %s: %s", entry.dns, exc)
+            return
+        key = keys[0] if keys else self.state.auth.backend_key
+        added = []
+        for url in new:
+            inst = Instance(url, pool.role, model, entry.weight, key)
+            inst.discovered_by = entry.dns
+            # Out of rotation until a health probe passes.
+            inst.healthy = False
+            added.append(inst)
+            log.warning(
+                "%s %s found in DNS (%s): in rotation once a health probe passes",
+                pool.role,
+                url,
+                entry.dns,
+            )
+        pool.instances = [*pool.instances, *added]
+        for inst in added:
+            self.state.spawn(self.state.health.probe_instance(inst))
+
+    def _reap(self) -> None:
+        """Removes drained-out instances whose requests have all finished."""
+        idle = {i for i in self._draining if i.in_flight == 0 or i.removed}
+        if not idle:
+            return
+        self._draining -= idle
+        for inst in idle:
+            if not inst.removed:
+                log.warning("%s %s drained and removed", inst.role, inst.url)
+        self.state.remove_instances(idle)

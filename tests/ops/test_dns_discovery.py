@@ -1,0 +1,307 @@
+"""DNS discovery against a real dnsmasq: every A/AAAA record of a ``dns:`` pool
+entry is an instance; traffic follows the records with no failed request."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from ops_helpers import Dnsmasq, Load, complete, eventually, metric, running_proxy
+
+from proxy.config import ConfigError, parse_config
+from proxy.discovery import instance_url, split_dns_name
+from proxy.instances import Instance
+
+torch = pytest.importorskip("torch")
+
+from fake_engine.config import EngineConfig, Role  # noqa: E402
+from fake_engine.engine import Engine  # noqa: E402
+from fake_engine.server import EngineServer  # noqa: E402
+
+PREFILL_A, PREFILL_B, DEAD, DECODE = "127.0.0.2", "127.0.0.3", "127.0.0.9", "127.0.0.4"
+
+
+async def _engines_on_one_port(
+    specs: dict[str, EngineConfig],
+) -> tuple[int, list[EngineServer]]:
+    """Starts one engine per address, all on the same free port."""
+    for _ in range(20):
+        with socket.socket() as probe:
+            probe.bind((next(iter(specs)), 0))
+            port = int(probe.getsockname()[1])
+        servers: list[EngineServer] = []
+        try:
+            for host, spec in specs.items():
+                server = EngineServer(Engine(spec))
+                servers.append(server)
+                await server.start(host, port)
+            return port, servers
+        except OSError:
+            for server in servers:
+                await server.stop()
+    raise RuntimeError("no port free on every address")
+
+
+async def _sent(session: aiohttp.ClientSession, host: str, port: int) -> float:
+    """Prefills served by the engine at ``host``: requests it sent checksums for."""
+    async with session.get(f"http://{host}:{port}/metrics") as resp:
+        return metric(await resp.text(), "kvguard_kv_checksum_sent_total")
+
+
+def _pool_urls(proxy_state, role: str = "prefill") -> dict[str, Instance]:
+    pools = next(iter(proxy_state.models.values()))
+    return {i.url: i for i in pools.pool(role).instances}
+
+
+async def test_traffic_follows_dns_records_with_no_failed_request():
+    # Prefills take ~0.1 s per short prompt, 2 s for the long one below.
+    prefill = EngineConfig(role=Role.PRODUCER, prefill_tokens_per_s=500)
+    port, servers = await _engines_on_one_port(
+        {
+            PREFILL_A: prefill,
+            PREFILL_B: prefill,
+            DECODE: EngineConfig(role=Role.CONSUMER, fail_closed=True),
+        }
+    )
+    dns = Dnsmasq()
+    url_a, url_b, url_dead = (
+        f"http://{h}:{port}" for h in (PREFILL_A, PREFILL_B, DEAD)
+    )
+    try:
+        dns_port = await dns.start(
+            {"prefill.kv.test": [PREFILL_A], "decode.kv.test": [DECODE]}
+        )
+        config = {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": f"prefill.kv.test:{port}"}]},
+                    "decode": {"instances": [{"dns": f"decode.kv.test:{port}"}]},
+                }
+            },
+            "discovery": {
+                "interval_s": 0.2,
+                "timeout_s": 1,
+                "nameservers": [f"127.0.0.1:{dns_port}"],
+            },
+            "health": {"interval_s": 0.2, "timeout_s": 1},
+        }
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+            state = proxy.state
+
+            async def healthy() -> bool:
+                async with http.get(proxy.url + "/health") as resp:
+                    return resp.status == 200
+
+            await eventually(healthy, "the proxy finds its instances in DNS")
+            load = Load(proxy.url)
+            load.start()
+
+            async def served(host: str, at_least: float) -> bool:
+                return await _sent(http, host, port) >= at_least
+
+            await eventually(lambda: served(PREFILL_A, 5), "traffic on the first")
+
+            # A new record, and one whose address answers nothing: the live one
+            # enters rotation after its probe; the dead one never does.
+            await dns.set_records(
+                {
+                    "prefill.kv.test": [PREFILL_A, PREFILL_B, DEAD],
+                    "decode.kv.test": [DECODE],
+                }
+            )
+            await eventually(lambda: served(PREFILL_B, 5), "traffic on the new one")
+            pool = _pool_urls(state)
+            assert set(pool) == {url_a, url_b, url_dead}
+            assert not pool[url_dead].healthy
+            assert pool[url_b].discovered_by == f"prefill.kv.test:{port}"
+
+            # A request in flight on an address that leaves DNS finishes there.
+            await load.stop()
+            long_prompt = "x" * 1000
+            async with aiohttp.ClientSession() as client:
+                slow = [
+                    asyncio.create_task(complete(client, proxy.url, long_prompt, s))
+                    for s in (False, True)
+                ]
+                inst_a = pool[url_a]
+                await eventually(lambda: inst_a.in_flight == 1, "a long prefill on A")
+                await dns.set_records(
+                    {
+                        "prefill.kv.test": [PREFILL_B, DEAD],
+                        "decode.kv.test": [DECODE],
+                    }
+                )
+                await eventually(lambda: inst_a.drained, "A drained once out of DNS")
+                assert url_a in _pool_urls(state), "removed with a request in flight"
+                load.start()
+                assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
+            await eventually(lambda: url_a not in _pool_urls(state), "A removed")
+            assert inst_a.removed
+
+            # From now on only B serves.
+            sent_a = await _sent(http, PREFILL_A, port)
+            sent_b = await _sent(http, PREFILL_B, port)
+            await eventually(lambda: served(PREFILL_B, sent_b + 5), "traffic on B")
+            assert await _sent(http, PREFILL_A, port) == sent_a
+
+            # A reload keeps what discovery found, state and all.
+            before = _pool_urls(state)
+            state.apply(state.config)
+            assert _pool_urls(state) == before
+
+            # DNS down: lookups fail, the instances last seen keep serving.
+            dns.stop()
+
+            async def lookups_failing() -> bool:
+                async with http.get(proxy.url + "/metrics") as resp:
+                    text = await resp.text()
+                return (
+                    metric(
+                        text, "kvguard_proxy_discovery_lookups_total", outcome="error"
+                    )
+                    >= 2
+                )
+
+            await eventually(lookups_failing, "failed lookups counted")
+            sent_b = await _sent(http, PREFILL_B, port)
+            await eventually(lambda: served(PREFILL_B, sent_b + 3), "B serves on")
+            assert set(_pool_urls(state)) == {url_b, url_dead}
+            await load.stop()
+
+            async with http.get(proxy.url + "/metrics") as resp:
+                proxy_metrics = await resp.text()
+        assert load.results and not load.failures, load.failures[:5]
+        assert metric(proxy_metrics, "kvguard_proxy_retries_total") == 0
+    finally:
+        dns.stop()
+        for server in servers:
+            await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("{dns: prefill.kv.svc}", "must be host:port"),
+        ("{dns: 'http://prefill.kv.svc:8100'}", "must be host:port"),
+        (
+            "{dns: 'prefill.kv.svc:8100', url: 'http://p:1'}",
+            "exactly one of url or dns",
+        ),
+        ("{weight: 2}", "exactly one of url or dns"),
+    ],
+)
+def test_bad_dns_entries_are_config_errors(entry, why):
+    text = f"""
+models:
+  m:
+    prefill: {{instances: [{entry}]}}
+    decode: {{instances: [{{url: "http://d:8200"}}]}}
+"""
+    with pytest.raises(ConfigError, match=why):
+        parse_config(text, "x.yaml")
+
+
+def test_nameservers_must_be_addresses():
+    base = """
+models:
+  m:
+    prefill: {instances: [{dns: "p.kv:8100"}]}
+    decode: {instances: [{dns: "d.kv:8200"}]}
+discovery:
+  nameservers: %s
+"""
+    ok = parse_config(base % '["10.96.0.10", "127.0.0.1:5353", "::1", "[::1]:53"]')
+    assert ok.discovery.nameservers == [
+        "10.96.0.10",
+        "127.0.0.1:5353",
+        "::1",
+        "[::1]:53",
+    ]
+    assert ok.models["m"].prefill.instances[0].dns == "p.kv:8100"
+    with pytest.raises(ConfigError, match=r"discovery.nameservers.*IP:PORT"):
+        parse_config(base % '["kube-dns.kube-system"]')
+
+
+async def test_without_health_checks_discovery_probes_new_instances_itself():
+    port, servers = await _engines_on_one_port(
+        {
+            PREFILL_A: EngineConfig(role=Role.PRODUCER),
+            DECODE: EngineConfig(role=Role.CONSUMER, fail_closed=True),
+        }
+    )
+    dns = Dnsmasq()
+    try:
+        dns_port = await dns.start(
+            {"prefill.kv.test": [PREFILL_A, DEAD], "decode.kv.test": [DECODE]}
+        )
+        config = {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": f"prefill.kv.test:{port}"}]},
+                    "decode": {"instances": [{"dns": f"decode.kv.test:{port}"}]},
+                }
+            },
+            "discovery": {"interval_s": 0.2, "nameservers": [f"127.0.0.1:{dns_port}"]},
+            "health": {"enabled": False},
+        }
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+
+            def usable() -> bool:
+                pool = _pool_urls(proxy.state)
+                return len(pool) == 2 and pool[f"http://{PREFILL_A}:{port}"].healthy
+
+            await eventually(usable, "the live prefill probed into rotation")
+            assert not _pool_urls(proxy.state)[f"http://{DEAD}:{port}"].healthy
+            for stream in (False, True):
+                status, text = await complete(http, proxy.url, "hello", stream)
+                assert status == 200 and text
+    finally:
+        dns.stop()
+        for server in servers:
+            await server.stop()
+
+
+def test_addresses_become_instance_urls():
+    assert instance_url("10.1.0.5", 8100) == "http://10.1.0.5:8100"
+    assert instance_url("fd00::5", 8100) == "http://[fd00::5]:8100"
+    assert split_dns_name("prefill.kv.svc.cluster.local:8100") == (
+        "prefill.kv.svc.cluster.local",
+        8100,
+    )
+
+
+async def test_the_system_resolver_is_the_default():
+    # No nameservers: getaddrinfo, as in a pod (/etc/hosts, resolv.conf).
+    port, servers = await _engines_on_one_port(
+        {
+            "127.0.0.1": EngineConfig(role=Role.PRODUCER),
+            PREFILL_B: EngineConfig(role=Role.CONSUMER, fail_closed=True),
+        }
+    )
+    try:
+        config = {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": f"localhost:{port}"}]},
+                    "decode": {"instances": [{"url": f"http://{PREFILL_B}:{port}"}]},
+                }
+            },
+            "discovery": {"interval_s": 0.2},
+            "health": {"interval_s": 0.2},
+        }
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{port}"
+
+            def found() -> bool:
+                inst = _pool_urls(proxy.state).get(url)
+                return inst is not None and inst.healthy
+
+            await eventually(found, "localhost found by getaddrinfo and probed")
+            assert _pool_urls(proxy.state)[url].discovered_by == f"localhost:{port}"
+            status, text = await complete(http, proxy.url, "hello", False)
+            assert status == 200 and text
+    finally:
+        for server in servers:
+            await server.stop()
