@@ -12,6 +12,12 @@ simulated TP workers) drives it once per step::
                                    # any later step can write their blocks
     record = worker.take_record()  # KVChecksumRecord for the scheduler, or None
 
+Each of ``after_forward`` and ``on_loads_finished`` is one pass: every block
+of every layer of every request it covers is gathered, mixed, weighted and
+summed together (in chunks that bound memory), then scattered into the
+requests' values; a pass costs a few dozen torch ops whatever its number of
+requests and layers.
+
 On CUDA nothing in a step waits for the device: the checksums are computed
 on the current stream, copied to pinned host memory on a side stream, and
 ``take_record`` waits for that copy.
@@ -21,7 +27,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,8 +53,8 @@ from engine_patch.types import (
 
 logger = logging.getLogger(__name__)
 
-# Eager kernels on a CPU gather this many bytes per layer and pass, so that
-# their dozen passes over it stay in the core's cache.
+# Eager kernels on a CPU gather this many bytes per pass, so that their
+# dozen passes over it stay in the core's cache.
 _EAGER_CPU_CHUNK_BYTES = 1 << 20
 
 # The integer dtype of each element size: viewing KV as it keeps its bytes.
@@ -120,81 +127,189 @@ def _shape(kv: torch.Tensor, layout: KVLayout) -> _Shape:
     return _Shape(num_blocks, block_size, heads, cell, cell * size)
 
 
+# --- Sources: the tensors one gather reads -----------------------------------
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One layer of a source."""
+
+    key: ReplicaKey
+    # Its block 0's row in the source's rows.
+    first_row: int
+    # Its row of the source's head weights.
+    weight_row: int
+
+
 @dataclass
-class _LayerPlan:
-    """How one layer's blocks are read and weighted."""
+class _Source:
+    """Same-shaped tensors of one group on one storage: one gather reads any
+    of their blocks, as rows of ``rows``.
 
-    layer: KVLayer
+    A row is one block of one member: int64 pieces with the dims
+    ``[parts, tokens, heads, pieces]`` at positions ``dims`` (memory order,
+    so a gather copies whole runs) when ``to_pieces`` is None; else its
+    elements, which ``to_pieces`` turns into pieces (dims in that order)
+    once gathered.
+    """
+
+    rows: torch.Tensor
+    members: list[_Member]
+    # Rows between a member's consecutive blocks.
+    block_rows: int
     num_blocks: int
-    # KV in the canonical [blocks, parts, tokens, heads, elems] order: int64
-    # pieces if ``direct``, else integers of the KV's element size, gathered
-    # and made contiguous before they are read as pieces.
-    src: torch.Tensor
-    direct: bool
-    # SPLIT KV whose K is not whole pieces: a cell's pieces straddle K and V.
-    straddles: bool
-    # S(l, h) · Q(p), [parts, 1, heads, pieces].
-    weights: torch.Tensor
-    block_bytes: int
+    dims: tuple[int, int, int, int]
+    # Q(p), shaped to broadcast over a row's pieces.
+    piece_weights: torch.Tensor
+    # S(l, h) per member and head: [members, heads].
+    head_weights: torch.Tensor
+    # Bytes of one row as pieces.
+    row_bytes: int
+    to_pieces: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    @property
-    def key(self) -> ReplicaKey:
-        return (self.layer.replicas, self.layer.replica_index)
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """The canonical int64 pieces of blocks ``ids``, a new tensor."""
-        x = self.src.index_select(0, ids)
-        if self.straddles:
-            n, _, block_size, heads, elems = x.shape
-            x = x.permute(0, 2, 3, 1, 4).contiguous()
-            return x.view(n, block_size, heads, 2 * elems).view(torch.int64)[:, None]
-        return x.contiguous().view(torch.int64)
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The int64 pieces of ``rows``, a new contiguous tensor."""
+        x = self.rows.index_select(0, rows)
+        return x if self.to_pieces is None else self.to_pieces(x)
 
 
-def _plan_layer(layer: KVLayer, shape: _Shape) -> _LayerPlan:
-    """A layer's plan; its cells must be whole 8-byte pieces."""
-    kv = layer.kv
-    ints = kv.view(_INT_DTYPES[kv.element_size()])
-    if layer.layout is KVLayout.SPLIT:
-        canonical = ints.transpose(0, 1)
-        straddles = shape.head_elems * kv.element_size() % 8 != 0
-    elif layer.layout is KVLayout.PACKED_NHD:
-        canonical = ints[:, None]
-        straddles = False
-    else:
-        canonical = ints.permute(0, 2, 1, 3)[:, None]
-        straddles = False
-    direct = False
-    if not straddles:
-        try:
-            canonical = canonical.view(torch.int64)
-            direct = True
-        except RuntimeError:
-            # Not viewable in place (e.g. strided last dim): gathered first.
-            pass
-    parts = 2 if layer.layout is KVLayout.SPLIT and not straddles else 1
+def _row_view(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], int]:
+    """One tensor whose rows are the blocks of all ``views`` (same dtype,
+    shape and strides, one storage): it, each view's block-0 row, and the
+    rows between consecutive blocks."""
+    first = views[0]
+    offsets = [view.storage_offset() for view in views]
+    base = min(offsets)
+    block_stride = first.stride(0)
+    step = math.gcd(block_stride, *(offset - base for offset in offsets)) or 1
+    num_rows = (max(offsets) - base + (first.shape[0] - 1) * block_stride) // step + 1
+    rows = first.as_strided(
+        (num_rows, *first.shape[1:]), (step, *first.stride()[1:]), base
+    )
+    return rows, [(offset - base) // step for offset in offsets], block_stride // step
+
+
+def _source_key(view: torch.Tensor, *extra: object) -> tuple[object, ...]:
+    """What views must share to be rows of one source."""
+    return (
+        view.device,
+        view.untyped_storage().data_ptr(),
+        view.dtype,
+        tuple(view.shape),
+        view.stride(),
+        *extra,
+    )
+
+
+def _to_int64(rows: torch.Tensor) -> torch.Tensor | None:
+    """``rows`` (last dim contiguous) read as int64 in place, or None."""
+    try:
+        return rows.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+def _memory_order(view: torch.Tensor) -> list[int]:
+    """Dims 1.. of ``view`` from the largest stride to the smallest (size-1
+    dims first): the order a gather copies them in."""
+    return sorted(
+        range(1, view.dim()),
+        key=lambda dim: (view.shape[dim] > 1, -view.stride()[dim]),
+    )
+
+
+def _kv_sources(layers: Sequence[KVLayer], shape: _Shape) -> list[_Source]:
+    """The sources of a group's attention layers (cells of whole pieces)."""
+    size = layers[0].kv.element_size()
+    straddles = layers[0].layout is KVLayout.SPLIT and shape.head_elems * size % 8 != 0
+    parts = 2 if layers[0].layout is KVLayout.SPLIT and not straddles else 1
     pieces = shape.cell_bytes // 8 // parts
-    heads = np.array(
-        [
-            layer_head_weight(layer.index, layer.head_offset + h)
-            for h in range(shape.heads)
-        ],
-        dtype=np.uint64,
-    )
-    pieces_q = np.array(
-        [piece_weight(p) for p in range(parts * pieces)], dtype=np.uint64
-    ).reshape(parts, 1, 1, pieces)
-    # uint64 products wrap modulo 2^64, as the definition's do.
-    weights = (pieces_q * heads[None, None, :, None]).view(np.int64)
-    return _LayerPlan(
-        layer=layer,
-        num_blocks=shape.num_blocks,
-        src=canonical,
-        direct=direct,
-        straddles=straddles,
-        weights=torch.from_numpy(weights).to(kv.device),
-        block_bytes=shape.block_size * shape.heads * shape.cell_bytes,
-    )
+    q = np.array([piece_weight(p) for p in range(parts * pieces)], dtype=np.uint64)
+    canonical_q = q.view(np.int64).reshape(parts, 1, 1, pieces)
+    by_key: dict[tuple[object, ...], list[tuple[KVLayer, torch.Tensor]]] = {}
+    for layer in layers:
+        ints = layer.kv.view(_INT_DTYPES[size])
+        # [blocks, parts, tokens, heads, elements].
+        if layer.layout is KVLayout.SPLIT:
+            canonical = ints.transpose(0, 1)
+        elif layer.layout is KVLayout.PACKED_NHD:
+            canonical = ints[:, None]
+        else:
+            canonical = ints.permute(0, 2, 1, 3)[:, None]
+        direct = None if straddles else _to_int64(canonical)
+        view = canonical if direct is None else direct
+        by_key.setdefault(_source_key(view, direct is not None), []).append(
+            (layer, view)
+        )
+    sources = []
+    for key, members in by_key.items():
+        views = [view for _, view in members]
+        if key[-1]:  # int64 pieces in place
+            order = _memory_order(views[0])
+            views = [view.permute(0, *order) for view in views]
+            dims = tuple(order.index(dim) + 1 for dim in (1, 2, 3, 4))
+            weights = np.ascontiguousarray(
+                canonical_q.transpose([dim - 1 for dim in order])
+            )
+            to_pieces = None
+        else:
+            dims = (1, 2, 3, 4)
+            weights = canonical_q
+            to_pieces = _straddling_pieces if straddles else _contiguous_pieces
+        rows, first_rows, block_rows = _row_view(views)
+        heads = np.array(
+            [
+                [
+                    layer_head_weight(layer.index, layer.head_offset + h)
+                    for h in range(shape.heads)
+                ]
+                for layer, _ in members
+            ],
+            dtype=np.uint64,
+        )
+        device = layers[0].kv.device
+        sources.append(
+            _Source(
+                rows=rows,
+                members=[
+                    _Member((layer.replicas, layer.replica_index), first_row, i)
+                    for i, ((layer, _), first_row) in enumerate(
+                        zip(members, first_rows, strict=True)
+                    )
+                ],
+                block_rows=block_rows,
+                num_blocks=shape.num_blocks,
+                dims=dims,  # type: ignore[arg-type]
+                piece_weights=torch.from_numpy(weights).to(device),
+                head_weights=torch.from_numpy(heads.view(np.int64)).to(device),
+                row_bytes=shape.block_size * shape.heads * shape.cell_bytes,
+                to_pieces=to_pieces,
+            )
+        )
+    return sources
+
+
+def _contiguous_pieces(x: torch.Tensor) -> torch.Tensor:
+    """Gathered canonical elements as int64 pieces."""
+    return x.view(torch.int64)
+
+
+def _straddling_pieces(x: torch.Tensor) -> torch.Tensor:
+    """Gathered SPLIT elements whose K is not whole pieces: each cell's K
+    then V bytes as one part of pieces."""
+    n, _, block_size, heads, elems = x.shape
+    x = x.permute(0, 2, 3, 1, 4).contiguous()
+    return x.view(n, block_size, heads, 2 * elems).view(torch.int64)[:, None]
+
+
+@dataclass(frozen=True)
+class _Members:
+    """A source's members one kind of pass reads, as arrays: their block-0
+    rows, head weight rows and value columns."""
+
+    first_rows: np.ndarray
+    weight_rows: np.ndarray
+    columns: np.ndarray
 
 
 @dataclass
@@ -203,14 +318,48 @@ class _GroupPlan:
 
     group_id: int
     block_size: int
-    layers: list[_LayerPlan]
+    sources: list[_Source]
     # Checksum values per block: one per span of ``block_size // spans``
     # tokens (``kv_cache.checksum_tokens``).
     spans: int = 1
+    _members: dict[bool, list[tuple[_Source, _Members]]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
-        return min(plan.num_blocks for plan in self.layers)
+        return min(source.num_blocks for source in self.sources)
+
+    def keys(self, sends_only: bool) -> list[ReplicaKey]:
+        """The replica keys of its values, in column order."""
+        return sorted(
+            {
+                member.key
+                for source in self.sources
+                for member in source.members
+                if not sends_only or member.key[1] == 0
+            }
+        )
+
+    def members(self, sends_only: bool) -> list[tuple[_Source, _Members]]:
+        """Per source, the members a pass reads (sends: replica 0 only)."""
+        cached = self._members.get(sends_only)
+        if cached is None:
+            keys = self.keys(sends_only)
+            cached = []
+            for source in self.sources:
+                members = [m for m in source.members if not sends_only or m.key[1] == 0]
+                if members:
+                    cached.append(
+                        (
+                            source,
+                            _Members(
+                                np.array([m.first_row for m in members], np.int64),
+                                np.array([m.weight_row for m in members], np.int64),
+                                np.array([keys.index(m.key) for m in members]),
+                            ),
+                        )
+                    )
+            self._members[sends_only] = cached
+        return cached
 
 
 def _dedupe(layers: Sequence[KVLayer]) -> list[KVLayer]:
@@ -241,6 +390,18 @@ def _check_layer(layer: KVLayer) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where one request's values of one group are in a pass's output."""
+
+    # First span (block position times spans per block).
+    start: int
+    keys: list[ReplicaKey]
+    offset: int
+    num_values: int
+    spans: int
+
+
 @dataclass
 class _Computed:
     """One request's checksums of one pass, still on the device."""
@@ -248,9 +409,7 @@ class _Computed:
     req_id: str
     # A load of offloaded KV: reported with the values stored with it.
     offloaded: bool
-    # Per group: first span, replica keys, values [spans, keys], spans per
-    # block.
-    groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor, int]]
+    groups: dict[int, _Slot]
 
 
 @dataclass
@@ -276,14 +435,65 @@ class _Pending:
     received: dict[str, bytes] = field(default_factory=dict)
 
 
+@dataclass
+class _GroupRows:
+    """A pass's live blocks of one group, over all its requests."""
+
+    ids: list[int] = field(default_factory=list)
+    # Per request: (first block position, live blocks, token count, offset
+    # of its first value).
+    requests: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def blocks(
+        self, block_size: int, values_per_block: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per live block: its id, first token, its request's token count,
+        and the offset of its first value."""
+        starts, counts, limits, offsets = np.array(self.requests, np.int64).T
+        # Each block's index within its request.
+        index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        return (
+            np.array(self.ids, np.int64),
+            (np.repeat(starts, counts) + index) * block_size,
+            np.repeat(limits, counts),
+            np.repeat(offsets, counts) + index * values_per_block,
+        )
+
+
+class _Metadata:
+    """The int64 arrays a pass sends to the device, as one copy."""
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, array: np.ndarray) -> slice:
+        """Queue ``array`` (flattened); its slice of :meth:`to_device`."""
+        self._arrays.append(array.astype(np.int64, copy=False).ravel())
+        start, self._size = self._size, self._size + array.size
+        return slice(start, self._size)
+
+    def to_device(self, device: torch.device) -> torch.Tensor:
+        """Everything queued on ``device``, without waiting for the copy."""
+        flat = torch.from_numpy(
+            np.concatenate(self._arrays) if self._arrays else np.zeros(0, np.int64)
+        )
+        if device.type == "cpu":
+            return flat
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        return flat.to(device, non_blocking=True)
+
+
 class KVChecksumWorker:
     """Checksums the blocks the scheduler asks for, on one worker.
 
-    ``compile`` fuses the checksum into one pass over the KV with
-    ``torch.compile`` (compiled on first use; about 3x to 30x faster than
-    eager, same values); None reads ``KVGUARD_CHECKSUM_COMPILE``.
-    ``max_scratch_bytes`` bounds the memory one pass over a layer uses
-    (never less than one block).
+    ``compile`` fuses the
+    checksum into one pass over the KV with ``torch.compile`` (compiled on
+    first use, or by :meth:`warm_up`; same values); None asks
+    ``checksum_kernel.compile_default``. ``max_scratch_bytes`` bounds the
+    memory one chunk of a pass uses (never less than one block of one
+    layer).
 
     A sliding-window group with blocks over 16 tokens is checksummed per
     16-token span (``kv_cache.checksum_tokens``): its ``values`` have
@@ -360,20 +570,23 @@ class KVChecksumWorker:
                 skipped.add(group_id)
                 continue
             block_size = shapes[0].block_size
+            sources: list[_Source] = []
+            by_shape: dict[_Shape, list[KVLayer]] = {}
+            for layer, shape in zip(unique, shapes, strict=True):
+                by_shape.setdefault(shape, []).append(layer)
+            for shape, shape_layers in by_shape.items():
+                sources.extend(_kv_sources(shape_layers, shape))
             self._groups[group_id] = _GroupPlan(
                 group_id,
                 block_size,
-                [
-                    _plan_layer(layer, shape)
-                    for layer, shape in zip(unique, shapes, strict=True)
-                ],
+                sources,
                 block_size // checksum_tokens(spec_types.pop(), block_size),
             )
         self._skipped = frozenset(skipped)
         self._pending = _Pending()
         self._batches: list[_Batch] = []
-        # A(t) for t < len, on the device; grown on demand.
-        self._position_table = torch.empty(0, dtype=torch.int64, device=self._device)
+        # A(t) for t < len, on the host; grown on demand.
+        self._position_table = np.zeros(0, dtype=np.int64)
         self._scratch: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
 
@@ -387,6 +600,26 @@ class KVChecksumWorker:
         """Per group, the sum of its layers' fingerprints on this worker."""
         return dict(self._fingerprints)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether passes run the fused (compiled) kernel."""
+        return self._compile and checksum_kernel.compiled_row_sums() is not None
+
+    def warm_up(self) -> None:
+        """Run a pass over block 0 of every group, so that a compiled kernel
+        compiles now (at startup) rather than in the first step that needs
+        it. Waits for the device."""
+        # Two blocks: torch.compile specializes a dim of size 1.
+        blocks = KVChecksumBlocks(
+            2 * max((plan.block_size for plan in self._groups.values()), default=1),
+            {
+                group_id: (0, [0, 1][: plan.num_blocks])
+                for group_id, plan in self._groups.items()
+            },
+        )
+        if blocks.groups:
+            self._run([("warm-up", blocks, False)], sends_only=False)[1].cpu()
+
     def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take the step's scheduled requests."""
         pending = self._pending
@@ -399,30 +632,32 @@ class KVChecksumWorker:
             pending.loads[req_id] = (blocks, True)
 
     def after_forward(self) -> None:
-        """Checksum the sends scheduled this step (their KV is now final).
+        """Checksum the sends scheduled this step (their KV is now final), in
+        one pass.
 
         A send reports only replica 0 of replicated heads, so that the sum
         over all workers counts each head once (the producer's payload).
         """
         sends, self._pending.sends = self._pending.sends, {}
-        self._flush(
-            [
-                self._compute(req_id, blocks, sends_only=True, offloaded=False)
-                for req_id, blocks in sends.items()
-            ]
-        )
+        if sends:
+            self._flush(
+                *self._run(
+                    [(req_id, blocks, False) for req_id, blocks in sends.items()],
+                    sends_only=True,
+                )
+            )
 
     def on_loads_finished(self, req_ids: Iterable[str]) -> None:
-        """Checksum the blocks of these finished recvs and loads."""
-        computed = []
+        """Checksum the blocks of these finished recvs and loads, in one
+        pass."""
+        requests = []
         for req_id in req_ids:
             load = self._pending.loads.pop(req_id, None)
             if load is not None:
                 blocks, offloaded = load
-                computed.append(
-                    self._compute(req_id, blocks, sends_only=False, offloaded=offloaded)
-                )
-        self._flush(computed)
+                requests.append((req_id, blocks, offloaded))
+        if requests:
+            self._flush(*self._run(requests, sends_only=False))
 
     def add_received(self, req_id: str, data: bytes) -> None:
         """A producer payload the connector received with a load."""
@@ -459,24 +694,22 @@ class KVChecksumWorker:
             if batch.event is not None:
                 batch.event.synchronize()
             flat = batch.host.numpy().view(np.uint64)
-            offset = 0
             for computed in batch.computed:
-                groups: dict[int, KVChecksumGroup] = {}
-                spans: dict[int, int] = {}
-                for group_id, (start, keys, values, k) in computed.groups.items():
-                    size = values.numel()
-                    groups[group_id] = KVChecksumGroup(
-                        start,
-                        keys,
+                groups = {
+                    group_id: KVChecksumGroup(
+                        slot.start,
+                        slot.keys,
                         # A copy: pinned host memory goes back to its cache.
-                        flat[offset : offset + size]
-                        .reshape(len(values), len(keys))
+                        flat[
+                            slot.offset : slot.offset + slot.num_values * len(slot.keys)
+                        ]
+                        .reshape(slot.num_values, len(slot.keys))
                         .copy(),
                     )
-                    spans[group_id] = k
-                    offset += size
+                    for group_id, slot in computed.groups.items()
+                }
                 if computed.offloaded and not self._attach_stored(
-                    computed.req_id, groups, spans
+                    computed.req_id, groups, computed.groups
                 ):
                     continue
                 checksums[computed.req_id] = groups
@@ -507,25 +740,29 @@ class KVChecksumWorker:
         Raises:
             ValueError: If a group's hashes are missing or not one per block.
         """
-        out: dict[int, np.ndarray] = {}
-        for group_id, (start, block_ids) in blocks.groups.items():
-            plan = self._groups.get(group_id)
-            if plan is None:
-                continue
+        groups = {g: blocks.groups[g] for g in blocks.groups if g in self._groups}
+        for group_id, (_, block_ids) in groups.items():
             hashes = block_hashes.get(group_id)
             if hashes is None or len(hashes) != len(block_ids):
                 raise ValueError(
                     f"group {group_id}: {len(block_ids)} blocks but "
                     f"{'no' if hashes is None else len(hashes)} block hashes"
                 )
-            _, values = self._group_values(
-                plan, start, block_ids, blocks.num_tokens, sends_only=False
-            )
+        (computed,), values = self._run(
+            [("offload", KVChecksumBlocks(blocks.num_tokens, groups), False)],
+            sends_only=False,
+        )
+        flat = values.cpu().numpy().view(np.uint64)
+        out: dict[int, np.ndarray] = {}
+        for group_id, slot in computed.groups.items():
+            num_blocks = len(groups[group_id][1])
             sums = (
-                values.view(len(block_ids), -1).sum(dim=1).cpu().numpy().view(np.uint64)
+                flat[slot.offset : slot.offset + slot.num_values * len(slot.keys)]
+                .reshape(num_blocks, -1)
+                .sum(axis=1, dtype=np.uint64)
             )
             out[group_id] = sums ^ block_checksum_tags(
-                hashes, self._fingerprints[group_id]
+                block_hashes[group_id], self._fingerprints[group_id]
             )
         return out
 
@@ -533,14 +770,14 @@ class KVChecksumWorker:
         self,
         req_id: str,
         groups: dict[int, KVChecksumGroup],
-        spans: Mapping[int, int],
+        slots: Mapping[int, _Slot],
     ) -> bool:
-        """Give a load of offloaded KV its stored values (one per block of
-        ``spans[group]`` values); False if some are missing."""
+        """Give a load of offloaded KV its stored values (one per block);
+        False if some are missing."""
         stored = self._pending.stored.pop(req_id, {})
         for group_id, group in groups.items():
             values = stored.get(group_id)
-            num_blocks = len(group.values) // spans[group_id]
+            num_blocks = len(group.values) // slots[group_id].spans
             if values is None or values.shape != (num_blocks,):
                 logger.warning(
                     "No stored KV checksums of group %d for request %s: "
@@ -552,112 +789,210 @@ class KVChecksumWorker:
             group.stored = values
         return True
 
-    def _compute(
-        self,
-        req_id: str,
-        blocks: KVChecksumBlocks,
-        *,
-        sends_only: bool,
-        offloaded: bool,
-    ) -> _Computed:
-        """A request's checksums in every group this worker checksums."""
-        groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor, int]] = {}
-        for group_id, (start, block_ids) in blocks.groups.items():
-            plan = self._groups.get(group_id)
-            if plan is not None:
-                keys, values = self._group_values(
-                    plan, start, block_ids, blocks.num_tokens, sends_only=sends_only
-                )
-                groups[group_id] = (start * plan.spans, keys, values, plan.spans)
-        return _Computed(req_id, offloaded, groups)
+    # --- One pass --------------------------------------------------------
 
     @torch.no_grad()
-    def _group_values(
+    def _run(
         self,
-        plan: _GroupPlan,
-        start: int,
-        block_ids: Sequence[int],
-        num_tokens: int,
+        requests: Sequence[tuple[str, KVChecksumBlocks, bool]],
         *,
         sends_only: bool,
-    ) -> tuple[list[ReplicaKey], torch.Tensor]:
-        """The replica keys and, on the device, the values [spans, keys] of
-        blocks ``block_ids`` at positions from ``start``.
+    ) -> tuple[list[_Computed], torch.Tensor]:
+        """Checksum ``(req_id, blocks, offloaded)`` requests in one pass: their
+        slots and, on the device, the values of all (int64, not yet
+        computed where the device is asynchronous).
 
         Raises:
-            ValueError: If a block id is not in the KV tensors.
+            ValueError: If a block id is not in the KV tensors (before any
+                work is queued).
         """
-        layers = [
-            layer
-            for layer in plan.layers
-            if not sends_only or layer.layer.replica_index == 0
-        ]
-        keys = sorted({layer.key for layer in layers})
-        spans = plan.spans
-        values = torch.zeros(
-            (len(block_ids) * spans, len(keys)), dtype=torch.int64, device=self._device
-        )
-        # Blocks wholly past num_tokens hold nothing to sum.
-        num_live = max(
-            0, min(len(block_ids), cdiv(num_tokens, plan.block_size) - start)
-        )
-        if not num_live or not layers:
-            return keys, values
-        live = block_ids[:num_live]
-        if min(live) < 0 or max(live) >= plan.num_blocks:
-            raise ValueError(
-                f"group {plan.group_id}: block ids outside [0, {plan.num_blocks})"
+        computed: list[_Computed] = []
+        rows_of: dict[int, _GroupRows] = {}
+        keys_of = {
+            group_id: plan.keys(sends_only) for group_id, plan in self._groups.items()
+        }
+        size = 0
+        for req_id, blocks, offloaded in requests:
+            slots: dict[int, _Slot] = {}
+            for group_id, (start, block_ids) in blocks.groups.items():
+                plan = self._groups.get(group_id)
+                if plan is None:
+                    continue
+                keys = keys_of[group_id]
+                slot = _Slot(
+                    start * plan.spans,
+                    keys,
+                    size,
+                    len(block_ids) * plan.spans,
+                    plan.spans,
+                )
+                slots[group_id] = slot
+                size += slot.num_values * len(keys)
+                # Blocks wholly past num_tokens hold nothing to sum.
+                num_live = max(
+                    0,
+                    min(
+                        len(block_ids), cdiv(blocks.num_tokens, plan.block_size) - start
+                    ),
+                )
+                if not num_live or not keys:
+                    continue
+                group = rows_of.setdefault(group_id, _GroupRows())
+                group.ids.extend(block_ids[:num_live])
+                group.requests.append((start, num_live, blocks.num_tokens, slot.offset))
+            computed.append(_Computed(req_id, offloaded, slots))
+        for group_id, group in rows_of.items():
+            num_blocks = self._groups[group_id].num_blocks
+            if min(group.ids) < 0 or max(group.ids) >= num_blocks:
+                raise ValueError(
+                    f"group {group_id}: block ids outside [0, {num_blocks})"
+                )
+        values = torch.zeros(size, dtype=torch.int64, device=self._device)
+        metadata = _Metadata()
+        work = []
+        for group_id, group in rows_of.items():
+            plan = self._groups[group_id]
+            num_keys = len(keys_of[group_id])
+            ids, first_tokens, limits, offsets = group.blocks(
+                plan.block_size, plan.spans * num_keys
             )
-        ids = self._to_device(np.asarray(live, dtype=np.int64))
-        positions = self._positions(start, num_live, plan.block_size, num_tokens).view(
-            num_live, spans, -1
-        )
-        for layer in layers:
-            column = keys.index(layer.key)
-            chunk = self._chunk_blocks(layer)
-            for first in range(0, num_live, chunk):
-                end = min(num_live, first + chunk)
-                values[first * spans : end * spans, column] += self._layer_sums(
-                    layer, ids[first:end], positions[first:end]
-                ).reshape(-1)
-        return keys, values
+            position_slice = metadata.add(
+                self._positions(first_tokens, limits, plan.block_size)
+            )
+            for source, members in plan.members(sends_only):
+                rows = members.first_rows[:, None] + ids * source.block_rows
+                weight_rows = np.repeat(members.weight_rows, len(ids))
+                position_rows = np.tile(np.arange(len(ids)), len(members.columns))
+                out = (
+                    offsets[:, None]
+                    + members.columns[:, None, None]
+                    + np.arange(plan.spans) * num_keys
+                )
+                work.append(
+                    (
+                        plan,
+                        source,
+                        position_slice,
+                        metadata.add(rows),
+                        metadata.add(weight_rows),
+                        metadata.add(position_rows),
+                        metadata.add(out),
+                    )
+                )
+        if work:
+            device_metadata = metadata.to_device(self._device)
+            for plan, source, position_slice, *slices in work:
+                block_positions = device_metadata[position_slice].view(
+                    -1, plan.block_size
+                )
+                row_ids, weight_ids, position_ids, out_ids = (
+                    device_metadata[s] for s in slices
+                )
+                self._source_sums(
+                    source,
+                    plan.spans,
+                    row_ids,
+                    weight_ids,
+                    block_positions[position_ids],
+                    out_ids,
+                    values,
+                )
+        return computed, values
 
-    def _layer_sums(
-        self, layer: _LayerPlan, ids: torch.Tensor, positions: torch.Tensor
+    def _source_sums(
+        self,
+        source: _Source,
+        spans: int,
+        rows: torch.Tensor,
+        weight_rows: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Add the span sums of ``rows`` of ``source`` into ``values`` at
+        ``out`` (``spans`` per row), a chunk at a time."""
+        kernel = checksum_kernel.compiled_row_sums() if self._compile else None
+        chunk = self._chunk_rows(source, kernel is not None)
+        # Eager: one member's weights broadcast (compiled: one shape for all).
+        broadcast = len(source.members) == 1 and kernel is None
+        for first in range(0, len(rows), chunk):
+            end = min(len(rows), first + chunk)
+            head_weights = (
+                source.head_weights[:1, None]
+                if broadcast
+                else source.head_weights[weight_rows[first:end]][:, None]
+            )
+            sums = None
+            if kernel is not None:
+                try:
+                    if source.to_pieces is None:
+                        sums = kernel(
+                            source.rows,
+                            rows[first:end],
+                            source.piece_weights,
+                            head_weights,
+                            positions[first:end],
+                            spans,
+                            source.dims,
+                        )
+                    else:
+                        x = source.gather(rows[first:end])
+                        sums = kernel(
+                            x,
+                            torch.arange(len(x), device=x.device),
+                            source.piece_weights,
+                            head_weights,
+                            positions[first:end],
+                            spans,
+                            source.dims,
+                        )
+                except Exception as e:  # Inductor raises errors of many kinds.
+                    checksum_kernel.compile_failed(e)
+                    kernel = None
+            if sums is None:
+                sums = self._eager_sums(
+                    source, rows[first:end], head_weights, positions[first:end], spans
+                )
+            values.index_add_(0, out[first * spans : end * spans], sums.view(-1))
+
+    def _eager_sums(
+        self,
+        source: _Source,
+        rows: torch.Tensor,
+        head_weights: torch.Tensor,
+        positions: torch.Tensor,
+        spans: int,
     ) -> torch.Tensor:
-        """One layer's checksums of blocks ``ids``, ``[blocks, spans]``: fused
-        if compiled."""
-        if self._compile and (kernel := checksum_kernel.compiled_block_sums()):
-            try:
-                if layer.direct:
-                    return kernel(layer.src, ids, layer.weights, positions)
-                index = torch.arange(len(ids), device=self._device)
-                return kernel(layer.gather(ids), index, layer.weights, positions)
-            except Exception as e:  # Inductor raises errors of many kinds.
-                checksum_kernel.compile_failed(e)
-        if layer.direct:
-            return checksum_kernel.block_sums_eager(
-                layer.src,
-                ids,
-                layer.weights,
-                positions,
-                self._scratch_for(2 * len(ids) * layer.block_bytes // 8),
+        """:func:`checksum_kernel.gathered_row_sums_` of ``rows``, gathered
+        into reused scratch where it can be."""
+        shape = (len(rows), *source.rows.shape[1:])
+        numel = math.prod(shape)
+        scratch = self._scratch_for(2 * max(numel, len(rows) * source.row_bytes // 8))
+        if source.to_pieces is None and scratch is not None:
+            x = torch.index_select(
+                source.rows, 0, rows, out=scratch[:numel].view(shape)
             )
-        return checksum_kernel.gathered_sums_(
-            layer.gather(ids), layer.weights, positions
+        else:
+            x = source.gather(rows)
+        if scratch is not None:
+            tmp = scratch[x.numel() : 2 * x.numel()].view(x.shape)
+        else:
+            tmp = torch.empty_like(x)
+        return checksum_kernel.gathered_row_sums_(
+            x, tmp, source.piece_weights, head_weights, positions, spans, source.dims
         )
 
-    def _chunk_blocks(self, layer: _LayerPlan) -> int:
-        """Blocks of ``layer`` one kernel call reads, to bound its memory."""
-        if self._compile and checksum_kernel.compiled_block_sums():
-            # Fused: only a gather (if not direct) is materialised.
+    def _chunk_rows(self, source: _Source, compiled: bool) -> int:
+        """Rows of ``source`` one kernel call reads, to bound its memory."""
+        if compiled:
+            # Fused: only a gather (if not in place) is materialised.
             budget = self._max_scratch
         else:
             # Eager: the gathered pieces and as much scratch.
             budget = self._max_scratch // 2
             if self._device.type == "cpu":
                 budget = min(budget, _EAGER_CPU_CHUNK_BYTES)
-        return max(1, budget // layer.block_bytes)
+        return max(1, budget // source.row_bytes)
 
     def _scratch_for(self, numel: int) -> torch.Tensor | None:
         """Reused eager scratch on a CPU (none on accelerators, whose
@@ -674,55 +1009,31 @@ class KVChecksumWorker:
         return self._scratch
 
     def _positions(
-        self, start: int, num_blocks: int, block_size: int, num_tokens: int
-    ) -> torch.Tensor:
-        """``A(t)`` of the tokens of ``num_blocks`` blocks from position
-        ``start``, 0 at or past ``num_tokens``: [num_blocks, block_size]."""
-        first = start * block_size
-        count = num_blocks * block_size
-        if len(self._position_table) < first + count:
-            size = max(first + count, 2 * len(self._position_table), 1 << 12)
-            table = position_weights(0, size).view(np.int64)
-            self._position_table = self._to_device(table)
-        weights = self._position_table[first : first + count]
-        if num_tokens - first < count:
-            weights = weights.clone()
-            weights[max(0, num_tokens - first) :] = 0
-        return weights.view(num_blocks, block_size)
+        self, first_tokens: np.ndarray, limits: np.ndarray, block_size: int
+    ) -> np.ndarray:
+        """``A(t)`` of the tokens of blocks starting at ``first_tokens``, 0 at
+        or past each block's ``limits``: ``[blocks, block_size]``."""
+        tokens = first_tokens[:, None] + np.arange(block_size, dtype=np.int64)
+        end = int(tokens.max()) + 1 if tokens.size else 0
+        if len(self._position_table) < end:
+            size = max(end, 2 * len(self._position_table), 1 << 12)
+            self._position_table = position_weights(0, size).view(np.int64)
+        weights = self._position_table[tokens]
+        weights[tokens >= limits[:, None]] = 0
+        return weights
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """An int64 array on the device, without waiting for the copy."""
-        tensor = torch.from_numpy(array)
-        if self._device.type == "cpu":
-            return tensor
-        if self._device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(self._device, non_blocking=True)
-
-    def _flush(self, computed: list[_Computed]) -> None:
-        """Start copying a pass's checksums to the host, as one array."""
-        if not computed:
-            return
-        parts = [
-            values.reshape(-1)
-            for item in computed
-            for _, _, values, _ in item.groups.values()
-        ]
-        flat = (
-            torch.cat(parts)
-            if parts
-            else torch.empty(0, dtype=torch.int64, device=self._device)
-        )
+    def _flush(self, computed: list[_Computed], values: torch.Tensor) -> None:
+        """Start copying a pass's checksums to the host."""
         if self._device.type != "cuda":
-            self._batches.append(_Batch(computed, flat.cpu()))
+            self._batches.append(_Batch(computed, values.cpu()))
             return
-        host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self._device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            host.copy_(flat, non_blocking=True)
+            host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        self._batches.append(_Batch(computed, host, event, flat))
+        self._batches.append(_Batch(computed, host, event, values))
