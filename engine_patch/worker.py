@@ -1,5 +1,5 @@
 """Worker-side KV checksums (torch): the partial checksums of ``checksum.md``
-over the KV tensors one TP rank of one PP stage holds.
+over the KV tensors (and state tensors) one TP rank of one PP stage holds.
 
 The host engine's worker (vLLM's worker-side connector, the fake engine's
 simulated TP workers) drives it once per step::
@@ -37,6 +37,7 @@ import torch
 from engine_patch import checksum_kernel
 from engine_patch.hashing import (
     block_checksum_tags,
+    hash64,
     layer_fingerprint,
     layer_head_weight,
     piece_weight,
@@ -96,6 +97,129 @@ class KVLayer:
 
 
 @dataclass(frozen=True)
+class StateShard:
+    """Where one rank's share of a state tensor sits in the unsharded state
+    (one block's state).
+
+    ``shape`` is the unsharded state's shape. TP splits its dim ``dim``: the
+    rank holds the indices ``runs`` of that dim, ``(start, length)`` pairs in
+    the rank's own order (``()``: the whole dim). One run for an even split;
+    one per part for a state that concatenates separately split parts, like
+    Mamba2's conv state (x, B, C): see :meth:`split`.
+    """
+
+    shape: tuple[int, ...]
+    dim: int = 0
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def split(
+        cls,
+        shape: Sequence[int],
+        dim: int,
+        tp_size: int,
+        tp_rank: int,
+        parts: Sequence[int] | None = None,
+    ) -> StateShard:
+        """Rank ``tp_rank``'s share when TP splits each part of dim ``dim``
+        (sizes ``parts`` along it, in order; default the whole dim) evenly
+        over ``tp_size`` ranks.
+
+        Raises:
+            ValueError: If a part does not split evenly.
+        """
+        sizes = list(parts) if parts is not None else [shape[dim]]
+        if sum(sizes) != shape[dim] or any(size % tp_size for size in sizes):
+            raise ValueError(
+                f"parts {sizes} of dim {dim} of {tuple(shape)} do not split "
+                f"evenly over {tp_size} ranks"
+            )
+        runs = []
+        start = 0
+        for size in sizes:
+            share = size // tp_size
+            runs.append((start + tp_rank * share, share))
+            start += size
+        return cls(tuple(shape), dim, tuple(runs))
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the rank's share."""
+        shape = list(self.shape)
+        if self.runs:
+            shape[self.dim] = sum(length for _, length in self.runs)
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a state layer on this worker (e.g. Mamba's conv
+    or SSM state): ``state[block]`` is one block's state, any strides.
+
+    ``shard`` places the rank's share in the unsharded state, so that the
+    partial checksums of TP ranks add up whatever the TP size; None when
+    unknown: the unsharded state is then taken as the ranks' shares one after
+    the other, which only a peer of the same TP size shares.
+    """
+
+    state: torch.Tensor
+    shard: StateShard | None = None
+
+
+@dataclass(frozen=True)
+class KVStateLayer:
+    """One state layer (Mamba) on this worker: a running state per request,
+    checksummed as one value at position 0 (``checksum.md``, "State
+    groups").
+
+    A state's 8-byte pieces are weighted by their offset in the unsharded
+    state and ``S(index, s)`` for the state's number ``s`` in ``states``;
+    a state whose bytes are not whole pieces is zero-padded at its end.
+    ``replicas``/``replica_index`` as :class:`KVLayer`'s (``replicas =
+    tp_size`` for states every rank holds whole).
+    """
+
+    name: str
+    index: int
+    group_id: int
+    states: tuple[StateTensor, ...]
+    spec_type: str = "mamba"
+    replicas: int = 1
+    replica_index: int = 0
+
+
+AnyLayer = KVLayer | KVStateLayer
+
+
+def state_views(
+    pages: torch.Tensor,
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """A state layer's states, cut out of its pages as vLLM 0.32's
+    ``MambaBase.bind_kv_cache`` cuts them: ``pages`` has one page per block
+    (a 1-byte dtype, ``[blocks, ..., bytes]``: vLLM's ``[blocks, 1, 1, C]``),
+    each page the states one after the other; state ``i`` is ``[blocks,
+    *shapes[i]]`` of ``dtypes[i]``.
+
+    Raises:
+        ValueError: If the states do not fit in a page.
+    """
+    pages = pages.flatten(1)
+    states = []
+    offset = 0
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if offset + size > pages.shape[1]:
+            raise ValueError(
+                f"states of {size} bytes from byte {offset} do not fit in pages "
+                f"of {pages.shape[1]} bytes"
+            )
+        states.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
+        offset += size
+    return states
+
+
+@dataclass(frozen=True)
 class _Shape:
     """A layer's KV tensor in the definition's terms."""
 
@@ -132,7 +256,7 @@ def _shape(kv: torch.Tensor, layout: KVLayout) -> _Shape:
 
 @dataclass(frozen=True)
 class _Member:
-    """One layer of a source."""
+    """One layer (or one state of a state layer) of a source."""
 
     key: ReplicaKey
     # Its block 0's row in the source's rows.
@@ -302,6 +426,153 @@ def _straddling_pieces(x: torch.Tensor) -> torch.Tensor:
     return x.view(n, block_size, heads, 2 * elems).view(torch.int64)[:, None]
 
 
+def _state_pieces(
+    shard: StateShard | None,
+    local_shape: tuple[int, ...],
+    element_size: int,
+    shard_index: int,
+) -> np.ndarray | None:
+    """Per 8-byte piece of a state share (zero-padded at its end), its index
+    in the unsharded state; None if a piece would straddle two ranks'
+    shares."""
+    local_bytes = math.prod(local_shape) * element_size
+    num_pieces = cdiv(local_bytes, 8)
+    if shard is None:
+        return np.arange(num_pieces, dtype=np.int64) + shard_index * num_pieces
+    shape = shard.shape
+    runs = shard.runs or ((0, shape[shard.dim]),)
+    inner = math.prod(shape[shard.dim + 1 :]) * element_size
+    outer = math.prod(shape[: shard.dim])
+    # Byte runs of the share in the unsharded state, in the share's order.
+    starts = (
+        np.arange(outer, dtype=np.int64)[:, None] * shape[shard.dim] * inner
+        + np.array([start for start, _ in runs], dtype=np.int64)[None, :] * inner
+    ).ravel()
+    lengths = np.tile(np.array([n for _, n in runs], dtype=np.int64) * inner, outer)
+    # Runs that continue each other are one.
+    joined = np.flatnonzero(starts[1:] != starts[:-1] + lengths[:-1]) + 1
+    bounds = np.concatenate(([0], joined, [len(starts)]))
+    starts = starts[bounds[:-1]]
+    lengths = np.add.reduceat(lengths, bounds[:-1])
+    total = math.prod(shape) * element_size
+    whole = lengths % 8 == 0
+    whole[-1] |= starts[-1] + lengths[-1] == total
+    if (starts % 8).any() or not whole.all():
+        return None
+    counts = -(-lengths // 8)
+    first = np.repeat(starts // 8 - np.cumsum(counts) + counts, counts)
+    pieces = first + np.arange(counts.sum(), dtype=np.int64)
+    assert len(pieces) == num_pieces
+    return pieces
+
+
+def _state_rows(state: torch.Tensor) -> torch.Tensor:
+    """A state tensor as ``[blocks, 1, 1, 1, pieces]`` int64 in place, or
+    ``[blocks, *state]`` elements to gather first."""
+    ints = state.view(_INT_DTYPES[state.element_size()])
+    if state.shape[0] and state[0].is_contiguous():
+        pieces = _to_int64(ints.flatten(1))
+        if pieces is not None:
+            return pieces[:, None, None, None, :]
+    return ints
+
+
+def _padded_pieces(num_pieces: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Gathered state elements to ``[rows, 1, 1, 1, num_pieces]`` int64,
+    zero-padded to whole pieces."""
+
+    def to_pieces(x: torch.Tensor) -> torch.Tensor:
+        data = x.reshape(len(x), -1).view(torch.uint8)
+        pad = num_pieces * 8 - data.shape[1]
+        if pad:
+            data = torch.nn.functional.pad(data, (0, pad))
+        return data.view(torch.int64)[:, None, None, None, :]
+
+    return to_pieces
+
+
+def _state_sources(
+    layers: Sequence[KVStateLayer], tp_rank: int
+) -> list[_Source] | None:
+    """The sources of a group's state layers; None if some state's pieces
+    would straddle TP shares."""
+    by_key: dict[tuple[object, ...], list[tuple[KVStateLayer, int, torch.Tensor]]] = {}
+    pieces_of: dict[tuple[object, ...], np.ndarray] = {}
+    for layer in layers:
+        for s, tensor in enumerate(layer.states):
+            state = tensor.state
+            shard_index = tp_rank // layer.replicas
+            pieces = _state_pieces(
+                tensor.shard, tuple(state.shape[1:]), state.element_size(), shard_index
+            )
+            if pieces is None:
+                logger.warning(
+                    "KV checksum group %d: state %d of %s has pieces across TP "
+                    "shares; the group is skipped.",
+                    layer.group_id,
+                    s,
+                    layer.name,
+                )
+                return None
+            rows = _state_rows(state)
+            key = _source_key(rows, state.dtype, tensor.shard, shard_index)
+            by_key.setdefault(key, []).append((layer, s, rows))
+            pieces_of[key] = pieces
+    sources = []
+    for key, members in by_key.items():
+        pieces = pieces_of[key]
+        views = [rows for _, _, rows in members]
+        rows, first_rows, block_rows = _row_view(views)
+        q = np.array([piece_weight(int(p)) for p in pieces], dtype=np.uint64)
+        heads = np.array(
+            [[layer_head_weight(layer.index, s)] for layer, s, _ in members],
+            dtype=np.uint64,
+        )
+        device = rows.device
+        direct = rows.dtype == torch.int64 and rows.dim() == 5
+        sources.append(
+            _Source(
+                rows=rows,
+                members=[
+                    _Member((layer.replicas, layer.replica_index), first_row, i)
+                    for i, ((layer, _, _), first_row) in enumerate(
+                        zip(members, first_rows, strict=True)
+                    )
+                ],
+                block_rows=block_rows,
+                num_blocks=views[0].shape[0],
+                dims=(1, 2, 3, 4),
+                piece_weights=torch.from_numpy(
+                    q.view(np.int64).reshape(1, 1, 1, -1)
+                ).to(device),
+                head_weights=torch.from_numpy(heads.view(np.int64)).to(device),
+                row_bytes=8 * len(pieces),
+                to_pieces=None if direct else _padded_pieces(len(pieces)),
+            )
+        )
+    return sources
+
+
+def _state_fingerprint(layer: KVStateLayer) -> int:
+    """A state layer's share of its group's fingerprint: its name, spec type
+    and each state's dtype and unsharded shape (the rank's shape where the
+    shard is unknown)."""
+    return hash64(
+        "kvguard-state-v1",
+        layer.name,
+        layer.spec_type,
+        *(
+            (
+                str(tensor.state.dtype).removeprefix("torch."),
+                ("unsharded", tensor.shard.shape, tensor.shard.dim)
+                if tensor.shard is not None
+                else ("local", tuple(tensor.state.shape[1:])),
+            )
+            for tensor in layer.states
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class _Members:
     """A source's members one kind of pass reads, as arrays: their block-0
@@ -317,6 +588,7 @@ class _GroupPlan:
     """The layers of one KV cache group this worker checksums."""
 
     group_id: int
+    # Tokens per block: 1 for state groups (one state per block).
     block_size: int
     sources: list[_Source]
     # Checksum values per block: one per span of ``block_size // spans``
@@ -380,14 +652,48 @@ def _dedupe(layers: Sequence[KVLayer]) -> list[KVLayer]:
     return list(unique.values())
 
 
-def _check_layer(layer: KVLayer) -> None:
+def _check_layer(layer: AnyLayer) -> None:
     """Raises: ValueError: If the layer's coordinates are invalid."""
-    if layer.index < 0 or layer.head_offset < 0:
+    if layer.index < 0 or (isinstance(layer, KVLayer) and layer.head_offset < 0):
         raise ValueError(f"layer {layer.name}: negative index or head offset")
     if layer.replicas < 1 or not 0 <= layer.replica_index < layer.replicas:
         raise ValueError(
             f"layer {layer.name}: replica {layer.replica_index} of {layer.replicas}"
         )
+    if isinstance(layer, KVStateLayer):
+        if not layer.states:
+            raise ValueError(f"state layer {layer.name}: no states")
+        for s, tensor in enumerate(layer.states):
+            state, shard = tensor.state, tensor.shard
+            if state.dim() < 2 or state.element_size() not in _INT_DTYPES:
+                raise ValueError(
+                    f"state layer {layer.name}: state {s} is not [blocks, ...] "
+                    f"of a 1/2/4/8-byte dtype: {list(state.shape)} {state.dtype}"
+                )
+            if shard is not None and (
+                not 0 <= shard.dim < len(shard.shape)
+                or any(
+                    start < 0 or length < 1 or start + length > shard.shape[shard.dim]
+                    for start, length in shard.runs
+                )
+                or shard.local_shape() != tuple(state.shape[1:])
+            ):
+                raise ValueError(
+                    f"state layer {layer.name}: state {s} of shape "
+                    f"{list(state.shape[1:])} is not a share of {shard}"
+                )
+
+
+def _devices(layers: Sequence[AnyLayer]) -> set[torch.device]:
+    return {
+        tensor.device
+        for layer in layers
+        for tensor in (
+            [layer.kv]
+            if isinstance(layer, KVLayer)
+            else [state.state for state in layer.states]
+        )
+    }
 
 
 @dataclass(frozen=True)
@@ -488,7 +794,8 @@ class _Metadata:
 class KVChecksumWorker:
     """Checksums the blocks the scheduler asks for, on one worker.
 
-    ``compile`` fuses the
+    ``layers`` are attention layers (:class:`KVLayer`) and state layers
+    (:class:`KVStateLayer`); one group holds one kind. ``compile`` fuses the
     checksum into one pass over the KV with ``torch.compile`` (compiled on
     first use, or by :meth:`warm_up`; same values); None asks
     ``checksum_kernel.compile_default``. ``max_scratch_bytes`` bounds the
@@ -497,16 +804,19 @@ class KVChecksumWorker:
 
     A sliding-window group with blocks over 16 tokens is checksummed per
     16-token span (``kv_cache.checksum_tokens``): its ``values`` have
-    ``block_size // 16`` rows per block, and its ``start`` counts spans.
+    ``block_size // 16`` rows per block, and its ``start`` counts spans. A
+    state group has one value per block (the scheduler asks for the running
+    state's block at position 0).
 
     Raises:
         ValueError: If a layer's tensor does not fit its layout, layers are
-            on different devices, or a group mixes block sizes or spec types.
+            on different devices, or a group mixes block sizes, spec types or
+            attention and state layers.
     """
 
     def __init__(
         self,
-        layers: Sequence[KVLayer],
+        layers: Sequence[AnyLayer],
         *,
         tp_rank: int = 0,
         pp_rank: int = 0,
@@ -515,7 +825,7 @@ class KVChecksumWorker:
     ) -> None:
         if max_scratch_bytes < 1:
             raise ValueError(f"max_scratch_bytes must be positive: {max_scratch_bytes}")
-        devices = {layer.kv.device for layer in layers}
+        devices = _devices(layers)
         if len(devices) > 1:
             raise ValueError(
                 f"KV layers on several devices: {sorted(map(str, devices))}"
@@ -531,9 +841,15 @@ class KVChecksumWorker:
         self._fingerprints: dict[int, int] = {}
         skipped: set[int] = set()
         by_group: dict[int, list[KVLayer]] = {}
+        state_groups: dict[int, list[KVStateLayer]] = {}
         for layer in layers:
             _check_layer(layer)
-            by_group.setdefault(layer.group_id, []).append(layer)
+            if isinstance(layer, KVStateLayer):
+                state_groups.setdefault(layer.group_id, []).append(layer)
+            else:
+                by_group.setdefault(layer.group_id, []).append(layer)
+        if mixed := sorted(by_group.keys() & state_groups.keys()):
+            raise ValueError(f"groups {mixed} mix attention and state layers")
         for group_id, group_layers in by_group.items():
             unique = _dedupe(group_layers)
             indices = [layer.index for layer in unique]
@@ -582,6 +898,8 @@ class KVChecksumWorker:
                 sources,
                 block_size // checksum_tokens(spec_types.pop(), block_size),
             )
+        for group_id, state_layers in state_groups.items():
+            self._plan_state_group(group_id, state_layers, skipped)
         self._skipped = frozenset(skipped)
         self._pending = _Pending()
         self._batches: list[_Batch] = []
@@ -589,6 +907,34 @@ class KVChecksumWorker:
         self._position_table = np.zeros(0, dtype=np.int64)
         self._scratch: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+
+    def _plan_state_group(
+        self, group_id: int, layers: list[KVStateLayer], skipped: set[int]
+    ) -> None:
+        """Plan a group of state layers (or skip it)."""
+        unique: dict[tuple[object, ...], KVStateLayer] = {}
+        for layer in sorted(layers, key=lambda layer: layer.index):
+            key = tuple(
+                (
+                    t.state.untyped_storage().data_ptr(),
+                    t.state.storage_offset(),
+                    tuple(t.state.shape),
+                    t.state.stride(),
+                    t.state.dtype,
+                )
+                for t in layer.states
+            )
+            unique.setdefault(key, layer)
+        if len({layer.spec_type for layer in unique.values()}) > 1:
+            raise ValueError(f"group {group_id}: state layers of several spec types")
+        self._fingerprints[group_id] = sum(
+            _state_fingerprint(layer) for layer in unique.values()
+        ) % (1 << 64)
+        sources = _state_sources(list(unique.values()), self._tp_rank)
+        if sources is None:
+            skipped.add(group_id)
+            return
+        self._groups[group_id] = _GroupPlan(group_id, 1, sources)
 
     @property
     def skipped_groups(self) -> frozenset[int]:

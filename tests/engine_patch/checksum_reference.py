@@ -97,3 +97,18 @@ def checksums(
             for a, b in zip(totals or [0] * len(values), values, strict=True)
         ]
     return totals
+
+
+def state_checksum(index: int, states: Sequence[torch.Tensor]) -> int:
+    """``c(g, 0)`` of one state layer (``checksum.md``, "State groups"), from
+    its unsharded states (one block's): Σ S(index, s)·A(0)·Q(p)·mix(x) over
+    each state ``s``'s 8-byte pieces ``p``, zero-padded at its end."""
+    total = 0
+    for s, state in enumerate(states):
+        data = _bytes(state.flatten())
+        data += b"\0" * (-len(data) % 8)
+        weight = layer_head_weight(index, s) * position_weight(0)
+        for p in range(len(data) // 8):
+            x = int.from_bytes(data[8 * p : 8 * p + 8], "little")
+            total += weight * piece_weight(p) * mix(x)
+    return total % MOD

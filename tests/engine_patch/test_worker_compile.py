@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_worker import make_kv
 from test_worker_batch import MIXED_REQUESTS, layers_in_one_buffer, recv_all
+from test_worker_state import mamba2_states, rank_layers, state_values, unsharded
 
 from engine_patch import checksum_kernel
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
@@ -66,6 +67,18 @@ def test_compiled_kernel_equals_eager() -> None:
             assert (got[req_id][group_id] == expected[req_id][group_id]).all()
     # The compiled kernel really ran (a failed compile falls back to eager).
     assert compiled.compiled
+
+
+def test_compiled_state_checksums_equal_eager() -> None:
+    specs = mamba2_states("DS")
+    layers = rank_layers(specs, unsharded(specs, 2, seed=1), 2, 1)
+    compiled = KVChecksumWorker(layers, tp_rank=1, compile=True)
+    eager = KVChecksumWorker(layers, tp_rank=1, compile=False)
+    blocks = {"a": 1, "b": 4, "c": 0}
+    got = state_values(compiled, blocks)
+    assert compiled.compiled
+    expected = state_values(eager, blocks)
+    assert all((got[r] == expected[r]).all() for r in blocks)
 
 
 def test_compile_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
