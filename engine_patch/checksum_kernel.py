@@ -141,23 +141,22 @@ def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _weighted(
-    mixed: torch.Tensor,
-    piece_weights: torch.Tensor,
+def _block_sums(
+    per_cell: torch.Tensor,
     head_weights: torch.Tensor,
     positions: torch.Tensor,
     spans: int,
-    dims: tuple[int, int, int, int],
+    transposed: bool,
 ) -> torch.Tensor:
-    """Rows of mixed pieces to their weighted span sums: ``[rows, spans]``."""
-    parts, tokens, heads, pieces = dims
-    mixed = mixed * piece_weights
-    per_cell = mixed.sum(dim=(parts, pieces))
-    # The two dims left, tokens and heads, in their order among the row's.
-    if tokens > heads:
+    """Rows' per-cell sums ``[blocks * members, tokens, heads]`` (``heads,
+    tokens`` if ``transposed``) to their blocks' span sums."""
+    if transposed:
         per_cell = per_cell.transpose(1, 2)
-    per_token = (per_cell * head_weights).sum(dim=2)
-    return (per_token * positions).view(len(positions), spans, -1).sum(dim=2)
+    num_blocks, tokens = positions.shape
+    members, heads = head_weights.shape
+    per_cell = per_cell.reshape(num_blocks, members, tokens, heads)
+    per_token = (per_cell * head_weights[:, None, :]).sum(dim=(1, 3))
+    return (per_token * positions).view(num_blocks, spans, -1).sum(dim=2)
 
 
 def row_sums(
@@ -169,26 +168,27 @@ def row_sums(
     spans: int,
     dims: tuple[int, int, int, int],
 ) -> torch.Tensor:
-    """Per row ``rows[i]`` of ``src`` and span ``s``, ``Σ positions[i, t] ·
-    head_weights[i, h] · piece_weights[part, p] · mix(x)`` over the span's
-    tokens, the heads, parts and pieces (int64, wrapping): ``[len(rows),
-    spans]``, the tokens cut into ``spans`` equal spans.
+    """Per block ``b`` and span ``s``: ``Σ positions[b, t] · head_weights[m,
+    h] · piece_weights[part, p] · mix(x)`` over the rows ``rows[b * M + m]``
+    of its ``M`` members, the span's tokens, the heads, parts and pieces
+    (int64, wrapping): ``[blocks, spans]``, the tokens cut into ``spans``
+    equal spans.
 
     Args:
         src: int64 pieces ``[num_rows, *row dims]``.
-        rows: Row ids (int64) to sum.
+        rows: Row ids (int64), block-major: ``blocks * M``.
         piece_weights: ``Q(p)``, 1 in all but a row's parts and pieces dims.
-        head_weights: ``S(l, h)`` per row and head: ``[len(rows), 1, heads]``.
-        positions: ``A(t)`` per row and token, 0 past the request's tokens:
-            ``[len(rows), tokens]``.
-        spans: Values per row.
+        head_weights: ``S(l, h)`` per member and head: ``[M, heads]``.
+        positions: ``A(t)`` per block and token, 0 past the request's
+            tokens: ``[blocks, tokens]``.
+        spans: Values per block.
         dims: Where parts, tokens, heads and pieces are among ``src``'s dims
             (1 to 4).
 
     """
-    return _weighted(
-        mix(src[rows]), piece_weights, head_weights, positions, spans, dims
-    )
+    parts, tokens, heads, pieces = dims
+    per_cell = (mix(src[rows]) * piece_weights).sum(dim=(parts, pieces))
+    return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
 def gathered_row_sums_(
@@ -207,12 +207,7 @@ def gathered_row_sums_(
     x *= piece_weights
     parts, tokens, heads, pieces = dims
     per_cell = x.sum(dim=(parts, pieces))
-    if tokens > heads:
-        per_cell = per_cell.transpose(1, 2)
-    per_cell *= head_weights
-    per_token = per_cell.sum(dim=2)
-    per_token *= positions
-    return per_token.view(len(positions), spans, -1).sum(dim=2)
+    return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
 def _cpu_options() -> dict[str, str | int | bool | Callable[..., Any]]:

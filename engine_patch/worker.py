@@ -574,13 +574,15 @@ def _state_fingerprint(layer: KVStateLayer) -> int:
 
 
 @dataclass(frozen=True)
-class _Members:
-    """A source's members one kind of pass reads, as arrays: their block-0
-    rows, head weight rows and value columns."""
+class _Work:
+    """Members of one source that a pass reads together: one value column,
+    at most a chunk's worth of rows per block."""
 
+    source: _Source
+    # Their block-0 rows and S(l, h): [members], [members, heads].
     first_rows: np.ndarray
-    weight_rows: np.ndarray
-    columns: np.ndarray
+    head_weights: torch.Tensor
+    column: int
 
 
 @dataclass
@@ -594,7 +596,10 @@ class _GroupPlan:
     # Checksum values per block: one per span of ``block_size // spans``
     # tokens (``kv_cache.checksum_tokens``).
     spans: int = 1
-    _members: dict[bool, list[tuple[_Source, _Members]]] = field(default_factory=dict)
+    # Bytes of rows a chunk may hold (the eager budget, the smaller): one
+    # block's rows of a member set fit.
+    chunk_bytes: int = 1 << 30
+    _work: dict[bool, list[_Work]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -611,26 +616,31 @@ class _GroupPlan:
             }
         )
 
-    def members(self, sends_only: bool) -> list[tuple[_Source, _Members]]:
-        """Per source, the members a pass reads (sends: replica 0 only)."""
-        cached = self._members.get(sends_only)
+    def work(self, sends_only: bool) -> list[_Work]:
+        """What a pass reads (sends: replica 0 only), member sets by source
+        and column."""
+        cached = self._work.get(sends_only)
         if cached is None:
             keys = self.keys(sends_only)
             cached = []
             for source in self.sources:
-                members = [m for m in source.members if not sends_only or m.key[1] == 0]
-                if members:
-                    cached.append(
-                        (
-                            source,
-                            _Members(
-                                np.array([m.first_row for m in members], np.int64),
-                                np.array([m.weight_row for m in members], np.int64),
-                                np.array([keys.index(m.key) for m in members]),
-                            ),
+                by_key: dict[ReplicaKey, list[_Member]] = {}
+                for m in source.members:
+                    if not sends_only or m.key[1] == 0:
+                        by_key.setdefault(m.key, []).append(m)
+                step = max(1, self.chunk_bytes // source.row_bytes)
+                for key, members in by_key.items():
+                    for first in range(0, len(members), step):
+                        chunk = members[first : first + step]
+                        cached.append(
+                            _Work(
+                                source,
+                                np.array([m.first_row for m in chunk], np.int64),
+                                source.head_weights[[m.weight_row for m in chunk]],
+                                keys.index(key),
+                            )
                         )
-                    )
-            self._members[sends_only] = cached
+            self._work[sends_only] = cached
         return cached
 
 
@@ -897,6 +907,7 @@ class KVChecksumWorker:
                 block_size,
                 sources,
                 block_size // checksum_tokens(spec_types.pop(), block_size),
+                self._chunk_budget(compiled=False),
             )
         for group_id, state_layers in state_groups.items():
             self._plan_state_group(group_id, state_layers, skipped)
@@ -934,7 +945,9 @@ class KVChecksumWorker:
         if sources is None:
             skipped.add(group_id)
             return
-        self._groups[group_id] = _GroupPlan(group_id, 1, sources)
+        self._groups[group_id] = _GroupPlan(
+            group_id, 1, sources, chunk_bytes=self._chunk_budget(compiled=False)
+        )
 
     @property
     def skipped_groups(self) -> frozenset[int]:
@@ -1195,7 +1208,8 @@ class KVChecksumWorker:
                 )
         values = torch.zeros(size, dtype=torch.int64, device=self._device)
         metadata = _Metadata()
-        work = []
+        # (plan, member set, metadata slices of positions, rows and outputs)
+        work: list[tuple[_GroupPlan, _Work, slice, slice, slice]] = []
         for group_id, group in rows_of.items():
             plan = self._groups[group_id]
             num_keys = len(keys_of[group_id])
@@ -1205,99 +1219,76 @@ class KVChecksumWorker:
             position_slice = metadata.add(
                 self._positions(first_tokens, limits, plan.block_size)
             )
-            for source, members in plan.members(sends_only):
-                rows = members.first_rows[:, None] + ids * source.block_rows
-                weight_rows = np.repeat(members.weight_rows, len(ids))
-                position_rows = np.tile(np.arange(len(ids)), len(members.columns))
-                out = (
-                    offsets[:, None]
-                    + members.columns[:, None, None]
-                    + np.arange(plan.spans) * num_keys
-                )
+            span_offsets = np.arange(plan.spans) * num_keys
+            for item in plan.work(sends_only):
+                rows = ids[:, None] * item.source.block_rows + item.first_rows
+                out = (offsets + item.column)[:, None] + span_offsets
                 work.append(
                     (
                         plan,
-                        source,
+                        item,
                         position_slice,
                         metadata.add(rows),
-                        metadata.add(weight_rows),
-                        metadata.add(position_rows),
                         metadata.add(out),
                     )
                 )
         if work:
             device_metadata = metadata.to_device(self._device)
-            for plan, source, position_slice, *slices in work:
-                block_positions = device_metadata[position_slice].view(
-                    -1, plan.block_size
-                )
-                row_ids, weight_ids, position_ids, out_ids = (
-                    device_metadata[s] for s in slices
-                )
-                self._source_sums(
-                    source,
+            for plan, item, position_slice, row_slice, out_slice in work:
+                self._work_sums(
+                    item,
                     plan.spans,
-                    row_ids,
-                    weight_ids,
-                    block_positions[position_ids],
-                    out_ids,
+                    device_metadata[row_slice],
+                    device_metadata[position_slice].view(-1, plan.block_size),
+                    device_metadata[out_slice],
                     values,
                 )
         return computed, values
 
-    def _source_sums(
+    def _work_sums(
         self,
-        source: _Source,
+        item: _Work,
         spans: int,
         rows: torch.Tensor,
-        weight_rows: torch.Tensor,
         positions: torch.Tensor,
         out: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        """Add the span sums of ``rows`` of ``source`` into ``values`` at
-        ``out`` (``spans`` per row), a chunk at a time."""
+        """Add the span sums of ``item``'s members' blocks (``rows``,
+        block-major) into ``values`` at ``out`` (``spans`` per block), a chunk
+        of blocks at a time."""
+        source = item.source
         kernel = checksum_kernel.compiled_row_sums() if self._compile else None
-        chunk = self._chunk_rows(source, kernel is not None)
-        # Eager: one member's weights broadcast (compiled: one shape for all).
-        broadcast = len(source.members) == 1 and kernel is None
-        for first in range(0, len(rows), chunk):
-            end = min(len(rows), first + chunk)
-            head_weights = (
-                source.head_weights[:1, None]
-                if broadcast
-                else source.head_weights[weight_rows[first:end]][:, None]
-            )
+        members = len(item.first_rows)
+        chunk = max(
+            1, self._chunk_budget(kernel is not None) // (members * source.row_bytes)
+        )
+        for first in range(0, len(positions), chunk):
+            end = min(len(positions), first + chunk)
+            block_rows = rows[first * members : end * members]
             sums = None
             if kernel is not None:
                 try:
                     if source.to_pieces is None:
-                        sums = kernel(
-                            source.rows,
-                            rows[first:end],
-                            source.piece_weights,
-                            head_weights,
-                            positions[first:end],
-                            spans,
-                            source.dims,
-                        )
+                        src, index = source.rows, block_rows
                     else:
-                        x = source.gather(rows[first:end])
-                        sums = kernel(
-                            x,
-                            torch.arange(len(x), device=x.device),
-                            source.piece_weights,
-                            head_weights,
-                            positions[first:end],
-                            spans,
-                            source.dims,
-                        )
+                        src = source.gather(block_rows)
+                        index = torch.arange(len(src), device=src.device)
+                    sums = kernel(
+                        src,
+                        index,
+                        source.piece_weights,
+                        item.head_weights,
+                        positions[first:end],
+                        spans,
+                        source.dims,
+                    )
                 except Exception as e:  # Inductor raises errors of many kinds.
                     checksum_kernel.compile_failed(e)
                     kernel = None
             if sums is None:
                 sums = self._eager_sums(
-                    source, rows[first:end], head_weights, positions[first:end], spans
+                    source, block_rows, item.head_weights, positions[first:end], spans
                 )
             values.index_add_(0, out[first * spans : end * spans], sums.view(-1))
 
@@ -1328,17 +1319,16 @@ class KVChecksumWorker:
             x, tmp, source.piece_weights, head_weights, positions, spans, source.dims
         )
 
-    def _chunk_rows(self, source: _Source, compiled: bool) -> int:
-        """Rows of ``source`` one kernel call reads, to bound its memory."""
+    def _chunk_budget(self, compiled: bool) -> int:
+        """Bytes of rows one kernel call reads, to bound its memory."""
         if compiled:
             # Fused: only a gather (if not in place) is materialised.
-            budget = self._max_scratch
-        else:
-            # Eager: the gathered pieces and as much scratch.
-            budget = self._max_scratch // 2
-            if self._device.type == "cpu":
-                budget = min(budget, _EAGER_CPU_CHUNK_BYTES)
-        return max(1, budget // source.row_bytes)
+            return self._max_scratch
+        # Eager: the gathered pieces and as much scratch.
+        budget = self._max_scratch // 2
+        if self._device.type == "cpu":
+            budget = min(budget, _EAGER_CPU_CHUNK_BYTES)
+        return budget
 
     def _scratch_for(self, numel: int) -> torch.Tensor | None:
         """Reused eager scratch on a CPU (none on accelerators, whose
