@@ -379,10 +379,129 @@ def check_device(device: torch.device) -> None:
                 load(worker, blocks)  # Warm-up (compiles).
                 got = load(worker, blocks, forbid_sync=device.type == "cuda")
                 assert (got == expected).all(), (layout, dtype, compile)
+    check_mixed_pass(device)
     print(
         f"device check: {device} values == CPU values, eager and compiled, "
-        f"{len(KVLayout)} layouts x {len(dtypes)} dtypes; no host sync in a step"
+        f"{len(KVLayout)} layouts x {len(dtypes)} dtypes, and a pass mixing "
+        "requests, stacked layers, 16-token spans and Mamba states; no host "
+        "sync in a step"
     )
+
+
+def mixed_layers(
+    attention: torch.Tensor, sliding: torch.Tensor, pages: torch.Tensor
+) -> list[KVLayer | worker.KVStateLayer]:
+    """Views of three buffers as three groups: packed-HND layers of one
+    buffer (vLLM's), block-major SPLIT sliding-window layers, and Mamba2
+    state layers cut from one page per block (TP rank 1 of 2)."""
+    conv, ssm = (128, 3), (8, 8, 16)
+    shards = [
+        worker.StateShard.split(conv, 0, 2, 1, (64, 32, 32)),
+        worker.StateShard.split(ssm, 0, 2, 1),
+    ]
+    return [
+        *(
+            KVLayer(f"model.layers.{i}.attn", i, 0, attention[i], KVLayout.PACKED_HND)
+            for i in range(len(attention))
+        ),
+        *(
+            KVLayer(
+                f"model.layers.{4 + i}.attn",
+                4 + i,
+                1,
+                sliding[:, i].transpose(0, 1),
+                KVLayout.SPLIT,
+                spec_type="sliding_window",
+            )
+            for i in range(sliding.shape[1])
+        ),
+        *(
+            worker.KVStateLayer(
+                f"model.layers.{8 + i}.mixer",
+                8 + i,
+                2,
+                tuple(
+                    worker.StateTensor(view, shard)
+                    for view, shard in zip(
+                        worker.state_views(
+                            pages[i],
+                            [shard.local_shape() for shard in shards],
+                            [torch.bfloat16, torch.float32],
+                        ),
+                        shards,
+                        strict=True,
+                    )
+                ),
+            )
+            for i in range(len(pages))
+        ),
+    ]
+
+
+def check_mixed_pass(device: torch.device) -> None:
+    """One pass over requests of all three groups of :func:`mixed_layers`
+    gives the CPU's values on ``device``, eager and compiled, without a host
+    sync (CUDA).
+
+    Raises:
+        AssertionError: If not.
+    """
+    gen = torch.Generator().manual_seed(2)
+
+    def random_bytes(*shape: int) -> torch.Tensor:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
+
+    buffers = [
+        random_bytes(2, 64, 2, 16, 128).view(torch.bfloat16),
+        random_bytes(64, 2, 2, 32, 2, 64).view(torch.float16),
+        random_bytes(2, 64, 64 * 3 * 2 + 4 * 8 * 16 * 4 + 64),
+    ]
+    cpu = KVChecksumWorker(mixed_layers(*buffers), tp_rank=1, compile=False)
+    on_device = [b.to(device) for b in buffers]
+    blocks = {
+        f"r{i}": KVChecksumBlocks(
+            40 + 37 * i,
+            {
+                0: (i % 2, [3 * i + 1, 3 * i + 2, 3 * i + 3]),
+                1: (0, [i, 9 + i]),
+                2: (0, [i]),
+            },
+        )
+        for i in range(6)
+    }
+    expected = load_all(cpu, blocks)
+    for compile in (False, True):
+        checksums = KVChecksumWorker(
+            mixed_layers(*on_device), tp_rank=1, compile=compile
+        )
+        load_all(checksums, blocks)  # Warm-up (compiles).
+        got = load_all(checksums, blocks, forbid_sync=device.type == "cuda")
+        for req_id, groups in expected.items():
+            for group_id, values in groups.items():
+                assert (got[req_id][group_id] == values).all(), (req_id, group_id)
+
+
+def load_all(
+    checksums: KVChecksumWorker,
+    blocks: dict[str, KVChecksumBlocks],
+    *,
+    forbid_sync: bool = False,
+) -> dict[str, dict[int, np.ndarray]]:
+    """Per request and group, the values of one pass loading them all."""
+    checksums.begin_step(KVChecksumScheduled(reqs_to_recv=blocks))
+    if forbid_sync:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        checksums.on_loads_finished(list(blocks))
+    finally:
+        if forbid_sync:
+            torch.cuda.set_sync_debug_mode("default")
+    record = checksums.take_record()
+    assert record is not None
+    return {
+        req_id: {g: group.values for g, group in groups.items()}
+        for req_id, groups in record.checksums.items()
+    }
 
 
 def make_blocks_ids(layer: KVLayer) -> range:

@@ -291,6 +291,12 @@ class _Source:
     row_bytes: int
     to_pieces: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @property
+    def cell_pieces(self) -> int:
+        """Pieces of a cell (over its parts)."""
+        parts, _, _, pieces = self.dims
+        return self.rows.shape[parts] * self.rows.shape[pieces]
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The int64 pieces of ``rows``, a new contiguous tensor."""
         x = self.rows.index_select(0, rows)
@@ -1260,9 +1266,11 @@ class KVChecksumWorker:
         source = item.source
         kernel = checksum_kernel.compiled_row_sums() if self._compile else None
         members = len(item.first_rows)
-        chunk = max(
-            1, self._chunk_budget(kernel is not None) // (members * source.row_bytes)
-        )
+        row_bytes = source.row_bytes
+        if kernel is not None and source.to_pieces is None:
+            # Fused over rows read in place: only per-cell sums are made.
+            row_bytes //= source.cell_pieces
+        chunk = max(1, self._chunk_budget(kernel is not None) // (members * row_bytes))
         for first in range(0, len(positions), chunk):
             end = min(len(positions), first + chunk)
             block_rows = rows[first * members : end * members]
