@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 BENCH_VENV ?= .venv-bench
 
 .PHONY: venv demo test lint typecheck test-vllm bench bench-checksum bench-proxy \
-	bench-vllm clean
+	bench-vllm bench-fake clean
 
 $(BIN)/kvguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ bench: bench-checksum bench-proxy
 
 bench-checksum: venv
 	$(BIN)/python benchmarks/bench_checksum.py
+
+bench-fake: venv
+	$(BIN)/python benchmarks/bench_fake_engine.py --breakdown
 
 $(BENCH_VENV)/bin/vllm-router:
 	$(PYTHON) -m venv $(BENCH_VENV)

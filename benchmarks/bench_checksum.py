@@ -1,27 +1,35 @@
-"""KV checksum benchmark: worker throughput against ``torch.sum`` over the same
-bytes, the scheduler's time to verify a long request, and payload size.
+"""KV checksum benchmark: the worker's cost on small requests (per-op
+dispatch) and its throughput on large KV against ``torch.sum`` over the same
+bytes, eager and compiled, the per-request path of ``--baseline`` against
+the fused pass; the scheduler's time to verify a long request; payload size.
 
-    python benchmarks/bench_checksum.py                  # CPU, eager and compiled
+    python benchmarks/bench_checksum.py                  # CPU, everything
     python benchmarks/bench_checksum.py --device cuda    # a GPU, in one shot
 
-Goals (issue 2): worker >= 0.5x torch.sum's GB/s on a CPU, >= 1.2 TB/s on an
-H200; verifying a 128k-token request (block size 16, two groups, 8 TP
-reports) <= 1 ms. Figures are of this run only: the ratio is the number to
-compare across machines.
+Goals (issues 2 and 8): worker >= 0.5x torch.sum's GB/s on a CPU, >= 1.2 TB/s
+on an H200; verifying a 128k-token request (block size 16, two groups, 8 TP
+reports) <= 1 ms. Figures are of this run only: ratios between paths and
+modes measured in the same run are the numbers to compare across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine_patch import checksum_kernel, worker
 from engine_patch.config import KVChecksumConfig
 from engine_patch.host import CacheHitSource
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
@@ -39,18 +47,26 @@ from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 8, 128, 16, torch.bfloat16
 BLOCK_BYTES = 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
 
+# The per-request worker (one chain of torch ops per request, layer and
+# chunk) before the fused pass: the commit that last had it.
+BASELINE_REV = "798f4d8"
+
+# The tiny llama of the real-vLLM tests: 2 layers, 2 KV heads of 32, bf16,
+# block 32, ~370-token prompts: 12 blocks, 192 KiB of KV per request.
+SMALL_LAYERS, SMALL_HEADS, SMALL_HEAD_SIZE, SMALL_BLOCK = 2, 2, 32, 32
+SMALL_PROMPT = 370
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def best_times(
+def interleaved_times(
     fns: list[Callable[[], object]], device: torch.device, reps: int
-) -> list[float]:
-    """Seconds of the fastest of ``reps`` runs of each function, after a
-    warm-up run; runs interleaved, so that load from other processes skews
-    them alike."""
+) -> list[list[float]]:
+    """Seconds of ``reps`` runs of each function, after a warm-up run; runs
+    interleaved, so that load from other processes skews them alike."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
@@ -61,7 +77,191 @@ def best_times(
             fn()
             sync(device)
             fn_times.append(time.perf_counter() - start)
-    return [min(fn_times) for fn_times in times]
+    return times
+
+
+def best_times(
+    fns: list[Callable[[], object]], device: torch.device, reps: int
+) -> list[float]:
+    """The fastest of :func:`interleaved_times`' runs of each function."""
+    return [min(t) for t in interleaved_times(fns, device, reps)]
+
+
+def load_baseline(rev: str) -> types.ModuleType | None:
+    """``engine_patch.worker`` as of git revision ``rev`` (with its own
+    ``checksum_kernel``), or None outside a git checkout that has it."""
+    root = Path(__file__).resolve().parents[1]
+    sources = {}
+    for name in ("checksum_kernel", "worker"):
+        try:
+            sources[name] = subprocess.run(
+                ["git", "show", f"{rev}:engine_patch/{name}.py"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    modules = {}
+    for name, text in sources.items():
+        module = types.ModuleType(f"kvguard_baseline_{name}")
+        sys.modules[module.__name__] = module
+        text = text.replace(
+            "from engine_patch import checksum_kernel",
+            "import kvguard_baseline_checksum_kernel as checksum_kernel",
+        )
+        exec(compile(text, f"{rev}:engine_patch/{name}.py", "exec"), module.__dict__)
+        modules[name] = module
+    return modules["worker"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A worker implementation and mode under test."""
+
+    name: str
+    module: types.ModuleType
+    compile: bool
+
+    def worker(self, layers: list[KVLayer]) -> Any:
+        """A worker of this variant over ``layers``' tensors."""
+        m = self.module
+        return m.KVChecksumWorker(
+            [
+                m.KVLayer(
+                    layer.name,
+                    layer.index,
+                    layer.group_id,
+                    layer.kv,
+                    m.KVLayout(layer.layout.value),
+                )
+                for layer in layers
+            ],
+            compile=self.compile,
+        )
+
+
+def variants(baseline: types.ModuleType | None, modes: list[str]) -> list[Variant]:
+    found = []
+    for mode in modes:
+        if baseline is not None:
+            found.append(Variant(f"old {mode}", baseline, mode == "compiled"))
+        found.append(Variant(f"fused {mode}", worker, mode == "compiled"))
+    return found
+
+
+def small_layers(device: torch.device, num_blocks: int) -> list[KVLayer]:
+    """The tiny llama's KV as vLLM 0.32 allocates it on a CPU: one buffer,
+    ``[layers, blocks, heads, block_size, K+V]`` (packed HND) per layer."""
+    buf = torch.randint(
+        -(2**15),
+        2**15,
+        (SMALL_LAYERS, num_blocks, SMALL_HEADS, SMALL_BLOCK, 2 * SMALL_HEAD_SIZE),
+        dtype=torch.int16,
+        device=device,
+    ).view(torch.bfloat16)
+    return [
+        KVLayer(f"model.layers.{i}.self_attn.attn", i, 0, buf[i], KVLayout.PACKED_HND)
+        for i in range(SMALL_LAYERS)
+    ]
+
+
+def step_fn(
+    checksums: Any, requests: dict[str, KVChecksumBlocks], send: bool
+) -> Callable[[], Any]:
+    """One engine step's checksum work: a producer's sends after the forward,
+    or a consumer's finished loads; the record taken (waits for the
+    device)."""
+
+    def step() -> Any:
+        if send:
+            checksums.begin_step(KVChecksumScheduled(reqs_to_send=requests))
+            checksums.after_forward()
+        else:
+            checksums.begin_step(KVChecksumScheduled(reqs_to_recv=requests))
+            checksums.on_loads_finished(list(requests))
+        return checksums.take_record()
+
+    return step
+
+
+def bench_small(
+    device: torch.device, found: list[Variant], batches: list[int], reps: int
+) -> None:
+    """Per step, ms of checksumming ``batch`` tiny-llama requests, every
+    variant interleaved; values checked equal across variants first."""
+    blocks_per_request = -(-SMALL_PROMPT // SMALL_BLOCK)
+    num_blocks = blocks_per_request * max(batches) + 1
+    layers = small_layers(device, num_blocks)
+    kv_bytes = (
+        SMALL_LAYERS * SMALL_HEADS * SMALL_BLOCK * 2 * SMALL_HEAD_SIZE * 2
+    ) * blocks_per_request
+    print(
+        f"\nsmall requests: tiny llama ({SMALL_LAYERS} layers, {SMALL_HEADS} KV "
+        f"heads x {SMALL_HEAD_SIZE}, bf16, block {SMALL_BLOCK}, packed HND), "
+        f"{SMALL_PROMPT}-token prompts = {kv_bytes / 1024:.0f} KiB of KV each; "
+        f"median ms per step of {reps}"
+    )
+    workers = [variant.worker(layers) for variant in found]
+    first_calls = []
+    for variant, checksums in zip(found, workers, strict=True):
+        blocks = {"w": KVChecksumBlocks(SMALL_PROMPT, {0: (0, [1, 2])})}
+        start = time.perf_counter()
+        step_fn(checksums, blocks, send=False)()
+        first_calls.append(f"{variant.name} {time.perf_counter() - start:.1f} s")
+    print("first call (compiles where compiled): " + ", ".join(first_calls))
+    names = [variant.name for variant in found]
+    print(f"{'path':<5} {'batch':>5} " + " ".join(f"{n:>14}" for n in names))
+    ratio_rows = []
+    rng = np.random.default_rng(0)
+    for send in (False, True):
+        for batch in batches:
+            ids = rng.permutation(np.arange(1, num_blocks)).tolist()
+            requests = {
+                f"r{i}": KVChecksumBlocks(
+                    SMALL_PROMPT,
+                    {
+                        0: (
+                            0,
+                            ids[i * blocks_per_request : (i + 1) * blocks_per_request],
+                        )
+                    },
+                )
+                for i in range(batch)
+            }
+            fns = [step_fn(w, requests, send) for w in workers]
+            expected = [fn() for fn in fns]
+            for record in expected[1:]:
+                for req_id in requests:
+                    assert (
+                        record.checksums[req_id][0].values
+                        == expected[0].checksums[req_id][0].values
+                    ).all(), "variants disagree"
+            medians = [
+                1e3 * statistics.median(t) for t in interleaved_times(fns, device, reps)
+            ]
+            path = "send" if send else "load"
+            print(f"{path:<5} {batch:>5} " + " ".join(f"{m:>14.3f}" for m in medians))
+            ratio_rows.append((path, batch, dict(zip(names, medians, strict=True))))
+    print_ratios(ratio_rows)
+
+
+def print_ratios(rows: list[tuple[str, int, dict[str, float]]]) -> None:
+    """fused/old per mode and compiled/eager per path, where measured."""
+    pairs = [
+        ("fused/old eager", "fused eager", "old eager"),
+        ("fused/old compiled", "fused compiled", "old compiled"),
+        ("compiled/eager fused", "fused compiled", "fused eager"),
+        ("fused compiled/old eager", "fused compiled", "old eager"),
+    ]
+    pairs = [p for p in pairs if p[1] in rows[0][2] and p[2] in rows[0][2]]
+    print(f"{'path':<5} {'batch':>5} " + " ".join(f"{p[0]:>24}" for p in pairs))
+    for path, batch, medians in rows:
+        print(
+            f"{path:<5} {batch:>5} "
+            + " ".join(f"{medians[a] / medians[b]:>24.2f}" for _, a, b in pairs)
+        )
 
 
 def make_layers(
@@ -95,6 +295,8 @@ class WorkerFigures:
     sum_gbs: float
     worker_gbs: float
     step_ms: float
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -102,11 +304,11 @@ class WorkerFigures:
 
 
 def bench_worker(
-    layers: list[KVLayer], device: torch.device, compile: bool, reps: int
+    layers: list[KVLayer], device: torch.device, variant: Variant, reps: int
 ) -> WorkerFigures:
     """One request over every block, as a consumer's load: its checksum
     against ``torch.sum`` of each layer's bytes."""
-    worker = KVChecksumWorker(layers, compile=compile)
+    checksums = variant.worker(layers)
     num_blocks = layers[0].kv.shape[1 if layers[0].layout is KVLayout.SPLIT else 0]
     block_ids = np.random.default_rng(0).permutation(num_blocks).tolist()
     blocks = KVChecksumBlocks(num_blocks * BLOCK_SIZE, {0: (0, block_ids)})
@@ -114,19 +316,19 @@ def bench_worker(
     step_times: list[float] = []
 
     def checksum() -> KVChecksumRecord | None:
-        worker.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
+        checksums.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
         start = time.perf_counter()
-        worker.on_loads_finished(["r"])
+        checksums.on_loads_finished(["r"])
         # What the step spends: on CUDA, only launching (no host sync).
         step_times.append(time.perf_counter() - start)
-        return worker.take_record()
+        return checksums.take_record()
 
     pieces = [layer.kv.view(torch.int64) for layer in layers]
     sum_s, worker_s = best_times(
         [lambda: [p.sum() for p in pieces], checksum], device, reps
     )
     return WorkerFigures(
-        "compiled" if compile else "eager",
+        variant.name,
         total_bytes / 1e9,
         total_bytes / sum_s / 1e9,
         total_bytes / worker_s / 1e9,
@@ -177,10 +379,129 @@ def check_device(device: torch.device) -> None:
                 load(worker, blocks)  # Warm-up (compiles).
                 got = load(worker, blocks, forbid_sync=device.type == "cuda")
                 assert (got == expected).all(), (layout, dtype, compile)
+    check_mixed_pass(device)
     print(
         f"device check: {device} values == CPU values, eager and compiled, "
-        f"{len(KVLayout)} layouts x {len(dtypes)} dtypes; no host sync in a step"
+        f"{len(KVLayout)} layouts x {len(dtypes)} dtypes, and a pass mixing "
+        "requests, stacked layers, 16-token spans and Mamba states; no host "
+        "sync in a step"
     )
+
+
+def mixed_layers(
+    attention: torch.Tensor, sliding: torch.Tensor, pages: torch.Tensor
+) -> list[KVLayer | worker.KVStateLayer]:
+    """Views of three buffers as three groups: packed-HND layers of one
+    buffer (vLLM's), block-major SPLIT sliding-window layers, and Mamba2
+    state layers cut from one page per block (TP rank 1 of 2)."""
+    conv, ssm = (128, 3), (8, 8, 16)
+    shards = [
+        worker.StateShard.split(conv, 0, 2, 1, (64, 32, 32)),
+        worker.StateShard.split(ssm, 0, 2, 1),
+    ]
+    return [
+        *(
+            KVLayer(f"model.layers.{i}.attn", i, 0, attention[i], KVLayout.PACKED_HND)
+            for i in range(len(attention))
+        ),
+        *(
+            KVLayer(
+                f"model.layers.{4 + i}.attn",
+                4 + i,
+                1,
+                sliding[:, i].transpose(0, 1),
+                KVLayout.SPLIT,
+                spec_type="sliding_window",
+            )
+            for i in range(sliding.shape[1])
+        ),
+        *(
+            worker.KVStateLayer(
+                f"model.layers.{8 + i}.mixer",
+                8 + i,
+                2,
+                tuple(
+                    worker.StateTensor(view, shard)
+                    for view, shard in zip(
+                        worker.state_views(
+                            pages[i],
+                            [shard.local_shape() for shard in shards],
+                            [torch.bfloat16, torch.float32],
+                        ),
+                        shards,
+                        strict=True,
+                    )
+                ),
+            )
+            for i in range(len(pages))
+        ),
+    ]
+
+
+def check_mixed_pass(device: torch.device) -> None:
+    """One pass over requests of all three groups of :func:`mixed_layers`
+    gives the CPU's values on ``device``, eager and compiled, without a host
+    sync (CUDA).
+
+    Raises:
+        AssertionError: If not.
+    """
+    gen = torch.Generator().manual_seed(2)
+
+    def random_bytes(*shape: int) -> torch.Tensor:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
+
+    buffers = [
+        random_bytes(2, 64, 2, 16, 128).view(torch.bfloat16),
+        random_bytes(64, 2, 2, 32, 2, 64).view(torch.float16),
+        random_bytes(2, 64, 64 * 3 * 2 + 4 * 8 * 16 * 4 + 64),
+    ]
+    cpu = KVChecksumWorker(mixed_layers(*buffers), tp_rank=1, compile=False)
+    on_device = [b.to(device) for b in buffers]
+    blocks = {
+        f"r{i}": KVChecksumBlocks(
+            40 + 37 * i,
+            {
+                0: (i % 2, [3 * i + 1, 3 * i + 2, 3 * i + 3]),
+                1: (0, [i, 9 + i]),
+                2: (0, [i]),
+            },
+        )
+        for i in range(6)
+    }
+    expected = load_all(cpu, blocks)
+    for compile in (False, True):
+        checksums = KVChecksumWorker(
+            mixed_layers(*on_device), tp_rank=1, compile=compile
+        )
+        load_all(checksums, blocks)  # Warm-up (compiles).
+        got = load_all(checksums, blocks, forbid_sync=device.type == "cuda")
+        for req_id, groups in expected.items():
+            for group_id, values in groups.items():
+                assert (got[req_id][group_id] == values).all(), (req_id, group_id)
+
+
+def load_all(
+    checksums: KVChecksumWorker,
+    blocks: dict[str, KVChecksumBlocks],
+    *,
+    forbid_sync: bool = False,
+) -> dict[str, dict[int, np.ndarray]]:
+    """Per request and group, the values of one pass loading them all."""
+    checksums.begin_step(KVChecksumScheduled(reqs_to_recv=blocks))
+    if forbid_sync:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        checksums.on_loads_finished(list(blocks))
+    finally:
+        if forbid_sync:
+            torch.cuda.set_sync_debug_mode("default")
+    record = checksums.take_record()
+    assert record is not None
+    return {
+        req_id: {g: group.values for g, group in groups.items()}
+        for req_id, groups in record.checksums.items()
+    }
 
 
 def make_blocks_ids(layer: KVLayer) -> range:
@@ -321,11 +642,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--kv-gib", type=float, help="KV checked per run (CPU 1, CUDA 16)"
+        "--kv-gib", type=float, help="large KV checked per run (CPU 1, CUDA 16)"
     )
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="large-KV runs")
+    parser.add_argument("--small-reps", type=int, default=40)
+    parser.add_argument("--batches", default="1,4,16", help="small-request batches")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument(
+        "--parts",
+        default="small,large,scheduler",
+        help="what to run: small (requests), large (KV), scheduler",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE_REV,
+        help="git revision of the per-request worker to compare ('' for none)",
+    )
+    parser.add_argument(
+        "--cold-compile",
+        action="store_true",
+        help="compile into a fresh inductor cache (measures a cold compile)",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument(
         "--check",
@@ -341,12 +679,13 @@ def main() -> None:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kv_gib = args.kv_gib or (16.0 if device.type == "cuda" else 1.0)
-    if args.layout:
-        layout = KVLayout(args.layout)
-    else:
-        layout = KVLayout.SPLIT if device.type == "cuda" else KVLayout.PACKED_HND
-    layers = make_layers(device, int(kv_gib * (1 << 30)), args.layers, layout)
+    if args.cold_compile:
+        checksum_kernel.set_cache_dir(tempfile.mkdtemp(prefix="kvguard-inductor-"))
+    parts = set(args.parts.split(","))
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    if args.baseline and baseline is None:
+        print(f"baseline {args.baseline} not found (not a git checkout?): skipped")
+    found = variants(baseline, args.modes.split(","))
     where = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -355,32 +694,47 @@ def main() -> None:
     if device.type != "cpu" or args.check:
         check_device(device)
     print(
-        f"KV checksum worker on {where}: {args.layers} layers, bf16, block 16, "
-        f"{HEADS}x{HEAD_SIZE} heads, {layers[0].layout.name}"
+        f"KV checksum worker on {where}; 'old' = the per-request worker of "
+        f"{args.baseline or '-'}, 'fused' = this tree's one pass per step"
     )
-    print(
-        f"{'mode':<9} {'KV GB':>6} {'sum GB/s':>9} {'worker GB/s':>12} "
-        f"{'ratio':>6} {'step ms':>8}"
-    )
-    for mode in args.modes.split(","):
-        start = time.perf_counter()
-        figures = bench_worker(layers, device, mode == "compiled", args.reps)
+    if "small" in parts:
+        batches = [int(b) for b in args.batches.split(",")]
+        bench_small(device, found, batches, args.small_reps)
+    if "large" in parts:
+        kv_gib = args.kv_gib or (16.0 if device.type == "cuda" else 1.0)
+        if args.layout:
+            layout = KVLayout(args.layout)
+        else:
+            layout = KVLayout.SPLIT if device.type == "cuda" else KVLayout.PACKED_HND
+        layers = make_layers(device, int(kv_gib * (1 << 30)), args.layers, layout)
         print(
-            f"{figures.mode:<9} {figures.gbytes:>6.2f} {figures.sum_gbs:>9.1f} "
-            f"{figures.worker_gbs:>12.2f} {figures.ratio:>6.2f} "
-            f"{figures.step_ms:>8.1f}   ({time.perf_counter() - start:.0f} s "
-            "with warm-up/compile)"
+            f"\nlarge KV: {args.layers} layers, bf16, block 16, "
+            f"{HEADS}x{HEAD_SIZE} heads, {layers[0].layout.name}, one request"
         )
-    print(
-        "goal: ratio >= 0.5 on a CPU; >= 1200 GB/s on an H200. 'step ms' is "
-        "what on_loads_finished takes (CUDA: launches only)."
-    )
-    verify_ms, payload_bytes = bench_scheduler()
-    print(
-        f"\nscheduler: verify a 128k-token load (block 16, 2 groups, 8 TP "
-        f"reports): {verify_ms:.3f} ms (goal <= 1 ms)"
-    )
-    print(f"payload: {payload_bytes:.2f} bytes per block (msgpack; x4/3 in base64)")
+        print(
+            f"{'mode':<15} {'KV GB':>6} {'sum GB/s':>9} {'worker GB/s':>12} "
+            f"{'ratio':>6} {'step ms':>8}"
+        )
+        for variant in found:
+            start = time.perf_counter()
+            figures = bench_worker(layers, device, variant, args.reps)
+            print(
+                f"{figures.mode:<15} {figures.gbytes:>6.2f} {figures.sum_gbs:>9.1f} "
+                f"{figures.worker_gbs:>12.2f} {figures.ratio:>6.2f} "
+                f"{figures.step_ms:>8.1f}   ({time.perf_counter() - start:.0f} s "
+                "with warm-up/compile)"
+            )
+        print(
+            "goal: ratio >= 0.5 on a CPU; >= 1200 GB/s on an H200. 'step ms' is "
+            "what on_loads_finished takes (CUDA: launches only)."
+        )
+    if "scheduler" in parts:
+        verify_ms, payload_bytes = bench_scheduler()
+        print(
+            f"\nscheduler: verify a 128k-token load (block 16, 2 groups, 8 TP "
+            f"reports): {verify_ms:.3f} ms (goal <= 1 ms)"
+        )
+        print(f"payload: {payload_bytes:.2f} bytes per block (msgpack; x4/3 in base64)")
 
 
 if __name__ == "__main__":

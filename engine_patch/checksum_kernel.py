@@ -1,22 +1,31 @@
 """The arithmetic of checksum v1 (``checksum.md``) in torch: ``mix`` and the
-weighted sums of blocks, eager or fused by ``torch.compile``.
+weighted sums of gathered rows, eager or fused by ``torch.compile``.
 
 Both give the same bits: every operation is on int64, which wraps modulo
 2^64 like the definition's uint64 arithmetic, and a sum modulo 2^64 does not
-depend on its order.
+depend on its order. The weight ``S(l, h) · A(t) · Q(p)`` is applied factor
+by factor (``Q`` per piece, ``S`` per head, ``A`` per token), which the ring
+allows.
 
-A block's data arrives in the canonical shape ``[blocks, parts, tokens,
-heads, pieces]`` of int64 pieces: ``parts`` is 2 when K and V are separate
+A **row** is one block of one layer (or one state of a state layer), read as
+int64 pieces ``[parts, tokens, heads, pieces]`` in any dim order: ``dims``
+names where each of those four sits among a row's dims, so that a gather can
+copy rows in their memory order. ``parts`` is 2 when K and V are separate
 (piece ``p`` of V is the cell's piece ``P_K + p``), else 1.
+
+Whether the fused kernel is used is decided in one place,
+:func:`compile_default` (``KVGUARD_CHECKSUM_COMPILE``); where inductor keeps
+its compiled code, by :func:`set_cache_dir` (``KVGUARD_CHECKSUM_CACHE_DIR``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -24,8 +33,11 @@ from engine_patch.hashing import MIX_C1, MIX_C2
 
 logger = logging.getLogger(__name__)
 
-# "1" turns the fused (torch.compile) kernel on where the caller leaves it open.
+# "1" turns the fused (torch.compile) kernel on, "0" off, where the caller
+# leaves it open.
 COMPILE_ENV = "KVGUARD_CHECKSUM_COMPILE"
+# Where inductor keeps the fused kernel's code (else TORCHINDUCTOR_CACHE_DIR).
+CACHE_DIR_ENV = "KVGUARD_CHECKSUM_CACHE_DIR"
 
 
 def _as_int64(value: int) -> int:
@@ -39,14 +51,73 @@ _C2 = _as_int64(MIX_C2)
 # makes it the logical shift fmix64 needs.
 _LOW31 = (1 << 31) - 1
 
-BlockSums = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+# (source rows, row ids, piece weights, head weights, position weights,
+# spans, dims) -> [rows, spans]
+RowSums = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        tuple[int, int, int, int],
+    ],
+    torch.Tensor,
 ]
 
 
 def compile_default() -> bool:
-    """Whether ``KVGUARD_CHECKSUM_COMPILE`` asks for the fused kernel."""
+    """Whether the fused kernel is used where the caller leaves it open:
+    ``KVGUARD_CHECKSUM_COMPILE`` (``1``/``true``/``yes``), off by default.
+
+    Eager is the default because the fused kernel's one-off compile (about
+    20 s on a CPU, seconds with a warm cache) would otherwise land on the
+    first request; the numbers behind the choice are in
+    ``benchmarks/bench_checksum.py``.
+    """
     return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+_cache_dir: str | None = None
+
+
+def set_cache_dir(path: str | None) -> None:
+    """Keep the fused kernel's inductor code under ``path`` (e.g. beside the
+    host engine's own compile cache) instead of ``KVGUARD_CHECKSUM_CACHE_DIR``
+    or inductor's default; None goes back to those."""
+    global _cache_dir
+    _cache_dir = path
+
+
+def cache_dir() -> str | None:
+    """The directory the fused kernel compiles into, None for inductor's own
+    (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    return _cache_dir or os.environ.get(CACHE_DIR_ENV) or None
+
+
+@contextlib.contextmanager
+def _inductor_cache() -> Iterator[None]:
+    """Point inductor (and Triton) at :func:`cache_dir` for one call, and
+    back: the host's own compiles keep theirs."""
+    path = cache_dir()
+    if path is None or os.environ.get("TORCHINDUCTOR_CACHE_DIR") == path:
+        yield
+        return
+    saved = {
+        name: os.environ.get(name)
+        for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    }
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -70,78 +141,108 @@ def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def block_sums(
-    src: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor
+def _block_sums(
+    per_cell: torch.Tensor,
+    head_weights: torch.Tensor,
+    positions: torch.Tensor,
+    spans: int,
+    transposed: bool,
 ) -> torch.Tensor:
-    """Per block ``ids[i]`` of ``src``, ``Σ positions[i, t] · weights[part, h,
-    p] · mix(x)`` over its parts, tokens, heads and pieces (int64, wrapping).
+    """Rows' per-cell sums ``[blocks * members, tokens, heads]`` (``heads,
+    tokens`` if ``transposed``) to their blocks' span sums."""
+    if transposed:
+        per_cell = per_cell.transpose(1, 2)
+    num_blocks, tokens = positions.shape
+    members, heads = head_weights.shape
+    per_cell = per_cell.reshape(num_blocks, members, tokens, heads)
+    per_token = (per_cell * head_weights[:, None, :]).sum(dim=(1, 3))
+    return (per_token * positions).view(num_blocks, spans, -1).sum(dim=2)
+
+
+def row_sums(
+    src: torch.Tensor,
+    rows: torch.Tensor,
+    piece_weights: torch.Tensor,
+    head_weights: torch.Tensor,
+    positions: torch.Tensor,
+    spans: int,
+    dims: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """Per block ``b`` and span ``s``: ``Σ positions[b, t] · head_weights[m,
+    h] · piece_weights[part, p] · mix(x)`` over the rows ``rows[b * M + m]``
+    of its ``M`` members, the span's tokens, the heads, parts and pieces
+    (int64, wrapping): ``[blocks, spans]``, the tokens cut into ``spans``
+    equal spans.
 
     Args:
-        src: Canonical int64 pieces ``[blocks, parts, tokens, heads, pieces]``.
-        ids: Block ids (int64) to sum.
-        weights: ``S(l, h) · Q(p)`` shaped ``[parts, 1, heads, pieces]``.
+        src: int64 pieces ``[num_rows, *row dims]``.
+        rows: Row ids (int64), block-major: ``blocks * M``.
+        piece_weights: ``Q(p)``, 1 in all but a row's parts and pieces dims.
+        head_weights: ``S(l, h)`` per member and head: ``[M, heads]``.
         positions: ``A(t)`` per block and token, 0 past the request's
-            tokens, ``[len(ids), tokens]``.
+            tokens: ``[blocks, tokens]``.
+        spans: Values per block.
+        dims: Where parts, tokens, heads and pieces are among ``src``'s dims
+            (1 to 4).
 
     """
-    mixed = mix(src[ids]) * weights
-    per_token = mixed.sum(dim=(1, 3, 4))
-    return (per_token * positions).sum(dim=1)
+    parts, tokens, heads, pieces = dims
+    per_cell = (mix(src[rows]) * piece_weights).sum(dim=(parts, pieces))
+    return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
-def gathered_sums_(
+def gathered_row_sums_(
     x: torch.Tensor,
-    weights: torch.Tensor,
+    tmp: torch.Tensor,
+    piece_weights: torch.Tensor,
+    head_weights: torch.Tensor,
     positions: torch.Tensor,
-    tmp: torch.Tensor | None = None,
+    spans: int,
+    dims: tuple[int, int, int, int],
 ) -> torch.Tensor:
-    """:func:`block_sums` of blocks already gathered into ``x`` (canonical,
-    contiguous, owned by the caller: it is overwritten), with in-place eager
-    ops; ``tmp`` is scratch of ``x``'s shape (allocated if None)."""
-    mix_(x, torch.empty_like(x) if tmp is None else tmp)
-    x *= weights
-    per_token = x.sum(dim=(1, 3, 4))
-    per_token *= positions
-    return per_token.sum(dim=1)
+    """:func:`row_sums` of rows already gathered into ``x`` (owned by the
+    caller: overwritten), with in-place eager ops over the big tensor;
+    ``tmp`` is scratch of ``x``'s shape."""
+    mix_(x, tmp)
+    x *= piece_weights
+    parts, tokens, heads, pieces = dims
+    per_cell = x.sum(dim=(parts, pieces))
+    return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
-def block_sums_eager(
-    src: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    positions: torch.Tensor,
-    scratch: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`block_sums` with eager ops, gathering into ``scratch`` (1-D
-    int64, two gathered chunks' worth) when it is large enough, so that
-    nothing is allocated per chunk."""
-    shape = (ids.numel(), *src.shape[1:])
-    numel = math.prod(shape)
-    if scratch is not None and scratch.numel() >= 2 * numel:
-        x = torch.index_select(src, 0, ids, out=scratch[:numel].view(shape))
-        return gathered_sums_(
-            x, weights, positions, scratch[numel : 2 * numel].view(shape)
-        )
-    return gathered_sums_(src.index_select(0, ids), weights, positions)
+def _cpu_options() -> dict[str, str | int | bool | Callable[..., Any]]:
+    """Inductor options for CPUs: without AVX-512 (no 64-bit vector
+    multiply) inductor's vectorized loops emulate int64 products element by
+    element and run about 3x slower than plain scalar loops, so vectorizing
+    is turned off there."""
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return {}
+    return {"cpp.simdlen": 1}
 
 
-_compiled: BlockSums | None = None
+_compiled: RowSums | None = None
 _compile_failed = False
 _compile_lock = threading.Lock()
 
 
-def compiled_block_sums() -> BlockSums | None:
-    """:func:`block_sums` under ``torch.compile`` (one fused pass over the
-    data), compiled on first use; None once compiling failed.
+def compiled_row_sums() -> RowSums | None:
+    """:func:`row_sums` under ``torch.compile`` (one fused pass over the
+    gathered rows), compiled on first use into :func:`cache_dir`; None once
+    compiling failed.
 
-    Shapes are dynamic, so chunks of any length and layers of any shape
-    share one compiled kernel. Inductor caches its code on disk
-    (``TORCHINDUCTOR_CACHE_DIR``), so a later process starts in seconds.
+    Shapes are dynamic, so chunks of any length and sources of any shape
+    share compiled code (a new dim order or dtype compiles once more).
     """
     global _compiled
     with _compile_lock:
         if _compiled is None and not _compile_failed:
-            _compiled = torch.compile(block_sums, dynamic=True)
+            kernel = torch.compile(row_sums, dynamic=True, options=_cpu_options())
+
+            def call(*args):  # type: ignore[no-untyped-def]
+                with _inductor_cache():
+                    return kernel(*args)
+
+            _compiled = call
         return None if _compile_failed else _compiled
 
 

@@ -1,7 +1,7 @@
 """The fused (torch.compile) checksum kernel gives the eager kernel's bits.
 
-Compiling takes a few seconds with a warm inductor cache and about 20 s
-without; set KVGUARD_SKIP_COMPILE_TESTS=1 to skip it.
+Compiling takes a few seconds per row shape with a warm inductor cache and
+about 20 s without; set KVGUARD_SKIP_COMPILE_TESTS=1 to skip it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import os
 
 import pytest
 import torch
-from test_worker import load_values, make_kv
+from test_worker import make_kv
+from test_worker_batch import MIXED_REQUESTS, layers_in_one_buffer, recv_all
+from test_worker_state import mamba2_states, rank_layers, state_values, unsharded
 
 from engine_patch import checksum_kernel
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
@@ -23,30 +25,60 @@ pytestmark = pytest.mark.skipif(
 
 def test_compiled_kernel_equals_eager() -> None:
     layers = [
-        KVLayer(
-            "a",
-            0,
-            0,
-            make_kv(KVLayout.SPLIT, torch.bfloat16, "shared_buffer"),
-            KVLayout.SPLIT,
+        # Rows gathered in memory order (HND), several layers per gather.
+        *layers_in_one_buffer(KVLayout.PACKED_HND, torch.bfloat16),
+        # K and V apart, one block-major buffer: another row shape.
+        *layers_in_one_buffer(
+            KVLayout.SPLIT, torch.float16, block_major=True, first_index=3, seed=1
         ),
         # Not viewable as pieces in place: gathered, then the same kernel.
         KVLayer(
             "b",
-            1,
+            7,
             0,
-            make_kv(KVLayout.PACKED_HND, torch.uint8, "strided_last_dim", seed=1),
+            make_kv(
+                KVLayout.PACKED_HND, torch.uint8, "strided_last_dim", num_blocks=12
+            ),
             KVLayout.PACKED_HND,
             head_offset=2,
         ),
+        # 16-token spans of 32-token blocks.
+        *layers_in_one_buffer(
+            KVLayout.PACKED_NHD,
+            torch.bfloat16,
+            block_size=32,
+            group_id=1,
+            spec_type="sliding_window",
+            first_index=8,
+        ),
     ]
     compiled = KVChecksumWorker(layers, compile=True)
+    compiled.warm_up()
+    assert compiled.compiled
     eager = KVChecksumWorker(layers, compile=False)
-    for start, ids, num_tokens in [(0, [3, 5, 1], 10), (2, [7], 9), (1, [0, 2], 12)]:
-        expected = load_values(eager, num_tokens, start, ids).values
-        assert (load_values(compiled, num_tokens, start, ids).values == expected).all()
-    # The compiled kernel really ran.
-    assert checksum_kernel.compiled_block_sums() is not None
+    requests = [
+        (req_id, num_tokens * 8, {0: (start, ids), 1: (start, ids)})
+        for req_id, num_tokens, start, ids in MIXED_REQUESTS
+    ]
+    expected = recv_all(eager, requests)
+    got = recv_all(compiled, requests)
+    for req_id, _, _ in requests:
+        for group_id in (0, 1):
+            assert (got[req_id][group_id] == expected[req_id][group_id]).all()
+    # The compiled kernel really ran (a failed compile falls back to eager).
+    assert compiled.compiled
+
+
+def test_compiled_state_checksums_equal_eager() -> None:
+    specs = mamba2_states("DS")
+    layers = rank_layers(specs, unsharded(specs, 2, seed=1), 2, 1)
+    compiled = KVChecksumWorker(layers, tp_rank=1, compile=True)
+    eager = KVChecksumWorker(layers, tp_rank=1, compile=False)
+    blocks = {"a": 1, "b": 4, "c": 0}
+    got = state_values(compiled, blocks)
+    assert compiled.compiled
+    expected = state_values(eager, blocks)
+    assert all((got[r] == expected[r]).all() for r in blocks)
 
 
 def test_compile_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,3 +86,26 @@ def test_compile_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert checksum_kernel.compile_default()
     monkeypatch.setenv(checksum_kernel.COMPILE_ENV, "0")
     assert not checksum_kernel.compile_default()
+    monkeypatch.delenv(checksum_kernel.COMPILE_ENV)
+    assert not checksum_kernel.compile_default()
+
+
+def test_the_kernel_compiles_into_the_cache_dir_it_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/host/engine/cache")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv(checksum_kernel.CACHE_DIR_ENV, str(tmp_path))
+    assert checksum_kernel.cache_dir() == str(tmp_path)
+    with checksum_kernel._inductor_cache():
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+        assert os.environ["TRITON_CACHE_DIR"] == os.path.join(tmp_path, "triton")
+    # The host's own compiles keep their cache.
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/host/engine/cache"
+    assert "TRITON_CACHE_DIR" not in os.environ
+    # Set in code (e.g. by the vLLM adapter), it wins over the environment.
+    checksum_kernel.set_cache_dir("/vllm/cache/kvguard")
+    try:
+        assert checksum_kernel.cache_dir() == "/vllm/cache/kvguard"
+    finally:
+        checksum_kernel.set_cache_dir(None)
