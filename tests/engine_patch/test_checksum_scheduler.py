@@ -238,6 +238,25 @@ def test_create_needs_a_connector_and_checksums_enabled() -> None:
     )
 
 
+def test_fail_closed_is_the_default() -> None:
+    # Fail-open is an explicit opt-in (for rollouts): by default an
+    # unverified load fails.
+    assert KVChecksumConfig().fail_closed
+    scheduler = KVChecksumScheduler(
+        KVChecksumConfig(), kv_config(full()), FakeConnector()
+    )
+    assert scheduler.fail_closed
+    req = consumer_request("c", 16)
+    scheduler.on_new_request(req)
+    req.num_computed_tokens = 16
+    scheduler.add_recv(req, FakeBlocks.of([1]), 0)
+    scheduler.build_checksum_meta()
+    records = FakeWorkers().report("c", {0: (0, token_values(RNG, 1))})
+    assert scheduler.update_from_output(FakeConnectorOutput(records, {"c"}), set()) == {
+        "c"
+    }
+
+
 def test_producer_is_checksummed_only_in_the_step_that_finishes_its_prompt() -> None:
     scheduler = make_scheduler(kv_config(full()))
     manager = FakeKVCacheManager({"p": FakeBlocks.of([1, 2, 3])})
