@@ -47,6 +47,7 @@ from engine_patch.kv_cache import (
     KVCacheGroup,
     MambaSpec,
     cdiv,
+    checksum_spans,
     clip_ssm_state_blocks,
     sliding_window_transfer_blocks,
 )
@@ -186,8 +187,9 @@ class _Pending:
         total = sum(record.fingerprints.get(group_id, 0) for record in stages.values())
         return total % 2**64
 
-    def group_checksums(self, group_id: int) -> list[KVChecksumGroup]:
-        """Every worker's checksums of the group's scheduled blocks.
+    def group_checksums(self, group_id: int, per_block: int) -> list[KVChecksumGroup]:
+        """Every worker's checksums of the group's scheduled blocks, at
+        ``per_block`` spans per block (``checksum_spans``).
 
         Raises:
             _Unverified: If a worker checksummed other blocks, e.g. those of
@@ -201,8 +203,8 @@ class _Pending:
             if (group := checksums.get(group_id)) is not None
         ]
         for group in groups:
-            if group.start != start or group.values.shape != (
-                len(block_ids),
+            if group.start != start * per_block or group.values.shape != (
+                len(block_ids) * per_block,
                 len(group.replica_keys),
             ):
                 raise _Unverified(UnverifiedReason.OTHER_BLOCKS, f"group {group_id}")
@@ -233,6 +235,11 @@ class KVChecksumScheduler:
         self._groups: dict[int, KVCacheGroup] = {
             group_id: kv_cache_config.kv_cache_groups[group_id]
             for group_id in kv_cache_config.transfer_group_ids
+        }
+        # Per group: tokens per checksum value and values per block.
+        self._spans = {
+            group_id: checksum_spans(group.kv_cache_spec)
+            for group_id, group in self._groups.items()
         }
         self._hash_block_size = kv_cache_config.hash_block_size
         self._sends: dict[str, _Pending] = {}
@@ -505,17 +512,19 @@ class KVChecksumScheduler:
             for group_id, (start, block_ids) in pending.blocks.groups.items():
                 if group_id in skipped:
                     continue
-                checksums = pending.group_checksums(group_id)
+                span, per_block = self._spans[group_id]
+                checksums = pending.group_checksums(group_id, per_block)
                 if not checksums:
                     # No worker checksums it, e.g. it holds only drafter layers.
                     continue
-                values = np.zeros(len(block_ids), dtype=np.uint64)
+                values = np.zeros(len(block_ids) * per_block, dtype=np.uint64)
                 for group in checksums:
                     values += group.values.sum(axis=1, dtype=np.uint64)
+                # The payload's unit is the span: its "block size" and start.
                 groups[group_id] = (
                     pending.fingerprint(group_id),
-                    self._groups[group_id].kv_cache_spec.block_size,
-                    start,
+                    span,
+                    start * per_block,
                     values,
                 )
         except _Unverified as e:
@@ -632,9 +641,10 @@ class KVChecksumScheduler:
                 f"group {group_id}: producer TP {expected.tp_size}, "
                 f"consumer TP {self._tp_size}",
             )
+        span, per_block = self._spans[group_id]
         sent = expected.groups.get(group_id)
         # No worker checksums a group of only drafter layers, as if skipped.
-        unchecked = skipped or not pending.group_checksums(group_id)
+        unchecked = skipped or not pending.group_checksums(group_id, per_block)
         if unchecked or sent is None:
             if unchecked != (sent is None):
                 raise _Unverified(
@@ -643,34 +653,34 @@ class KVChecksumScheduler:
                     f"{'producer' if unchecked else 'consumer'} only",
                 )
             return None
-        fingerprint, sent_block_size, sent_start, sent_values = sent
+        # The payload's "block size" and start are in spans.
+        fingerprint, sent_span, sent_start, sent_values = sent
         if fingerprint != pending.fingerprint(group_id):
             raise _Unverified(UnverifiedReason.OTHER_LAYERS, f"group {group_id}")
         start, block_ids = pending.blocks.groups[group_id]
         if isinstance(spec, MambaSpec):
-            # One state per block, not per token.
-            block_size = sent_block_size = 1
-        else:
-            block_size = spec.block_size
-        chunk_size = max(block_size, sent_block_size)
-        if chunk_size % min(block_size, sent_block_size):
+            # One state, not tokens: whatever a producer calls its span.
+            sent_span = 1
+        chunk_size = max(span, sent_span)
+        if chunk_size % min(span, sent_span):
             raise _Unverified(
                 UnverifiedReason.BLOCK_SIZES,
-                f"group {group_id}: {sent_block_size} on the producer, "
-                f"{block_size} on the consumer",
+                f"group {group_id}: checksums of {sent_span} tokens on the "
+                f"producer, {span} on the consumer",
             )
-        blocks_per_chunk = chunk_size // block_size
-        if start % blocks_per_chunk:
-            # Its producer block also holds tokens the consumer did not load.
+        spans_per_chunk = chunk_size // span
+        if start * per_block % spans_per_chunk:
+            # Its producer span also holds tokens the consumer did not load.
             raise _Unverified(UnverifiedReason.START_INSIDE, f"group {group_id}")
         num_tokens = pending.blocks.num_tokens
         sent_first, sent_sums = _chunk_sums(
-            sent_values, sent_start, sent_block_size, chunk_size, expected.num_tokens
+            sent_values, sent_start, sent_span, chunk_size, expected.num_tokens
         )
         checks = [
-            _chunk_sums(values, start, block_size, chunk_size, num_tokens)
+            _chunk_sums(values, start * per_block, span, chunk_size, num_tokens)
             for values in _sum_replicas(
-                pending.group_checksums(group_id), len(block_ids)
+                pending.group_checksums(group_id, per_block),
+                len(block_ids) * per_block,
             )
         ]
         first, num_chunks = checks[0][0], len(checks[0][1])
@@ -688,14 +698,17 @@ class KVChecksumScheduler:
         for _, sums in checks:
             bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
         end = start + len(block_ids)
-        return [
-            pos
-            for chunk in chunks[bad].tolist()
-            for pos in range(
-                max(start, chunk * blocks_per_chunk),
-                min(end, (chunk + 1) * blocks_per_chunk),
-            )
-        ]
+        # The consumer's blocks holding a bad chunk's spans.
+        return sorted(
+            {
+                pos
+                for chunk in chunks[bad].tolist()
+                for pos in range(
+                    max(start, chunk * spans_per_chunk // per_block),
+                    min(end, cdiv((chunk + 1) * spans_per_chunk, per_block)),
+                )
+            }
+        )
 
     def _compare_stored(self, pending: _Pending, group_id: int) -> list[int] | None:
         """The mismatching block positions in a group of a load of offloaded
@@ -709,7 +722,8 @@ class KVChecksumScheduler:
                 or a compared block has no stored value or block hash.
 
         """
-        if not pending.group_checksums(group_id):
+        _, per_block = self._spans[group_id]
+        if not pending.group_checksums(group_id, per_block):
             return None
         assert pending.offload_request is not None
         block_size = self._groups[group_id].kv_cache_spec.block_size
@@ -741,7 +755,12 @@ class KVChecksumScheduler:
                     f"group {group_id} on worker {record.pp_rank, record.tp_rank}",
                 )
             tags = block_checksum_tags(block_hashes, fingerprint)
-            sums = group.values.sum(axis=1, dtype=np.uint64)
+            # Stored values are per block: the sums of its spans.
+            sums = (
+                group.values.sum(axis=1, dtype=np.uint64)
+                .reshape(len(block_ids), per_block)
+                .sum(axis=1, dtype=np.uint64)
+            )
             bad.update((np.flatnonzero(sums ^ tags != group.stored) + start).tolist())
         return sorted(bad)
 

@@ -5,6 +5,7 @@ mismatched or left unverified."""
 from __future__ import annotations
 
 import base64
+import collections
 import logging
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from engine_patch.kv_cache import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    sliding_window_transfer_blocks,
 )
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
 from engine_patch.scheduler import (
@@ -62,13 +64,6 @@ def kv_config(*specs: KVCacheSpec, hash_block_size: int | None = None) -> KVCach
 
 def full(block_size: int = 16) -> FullAttentionSpec:
     return FullAttentionSpec(block_size)
-
-
-def block_sizes(config: KVCacheConfig) -> dict[int, int]:
-    return {
-        g: group.kv_cache_spec.block_size
-        for g, group in enumerate(config.kv_cache_groups)
-    }
 
 
 def make_scheduler(
@@ -121,7 +116,7 @@ class Producer:
         scheduled = self.scheduler.build_checksum_meta()
         assert scheduled is not None
         values = scheduled_values(
-            scheduled.reqs_to_send[req.request_id], tokens, block_sizes(self.config)
+            scheduled.reqs_to_send[req.request_id], tokens, self.config
         )
         records = self.workers.report(req.request_id, values)
         assert not self.scheduler.update_from_output(
@@ -190,7 +185,7 @@ class Consumer:
         scheduled = self.scheduler.build_checksum_meta()
         assert scheduled is not None
         values = scheduled_values(
-            scheduled.reqs_to_recv[req.request_id], tokens, block_sizes(self.config)
+            scheduled.reqs_to_recv[req.request_id], tokens, self.config
         )
         records = self.workers.report(req.request_id, values, ranks=ranks)
         if received is not None:
@@ -402,7 +397,7 @@ def test_producer_missing_a_workers_report_sends_no_checksums(
     scheduled = scheduler.build_checksum_meta()
     assert scheduled is not None
     values = scheduled_values(
-        scheduled.reqs_to_send["p"], {0: token_values(RNG, 16)}, {0: 16}
+        scheduled.reqs_to_send["p"], {0: token_values(RNG, 16)}, producer.config
     )
     records = producer.workers.report("p", values, ranks=[(0, 1)])
     scheduler.update_from_output(FakeConnectorOutput(records), set())
@@ -458,7 +453,7 @@ def test_producer_skipped_groups_and_groups_no_worker_reports_are_not_sent() -> 
     values = scheduled_values(
         scheduled.reqs_to_send["p"],
         {g: token_values(RNG, 16) for g in range(3)},
-        {0: 16, 1: 16, 2: 16},
+        config,
     )
     del values[2]  # Group 2 holds only drafter layers: no worker checksums it.
     producer.scheduler.update_from_output(
@@ -661,7 +656,7 @@ def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
     scheduled = consumer.scheduler.build_checksum_meta()
     assert scheduled is not None
     assert scheduled.reqs_to_recv["c"].groups == {0: (2, [9, 10, 11])}
-    values = scheduled_values(scheduled.reqs_to_recv["c"], loaded, {0: 16})
+    values = scheduled_values(scheduled.reqs_to_recv["c"], loaded, consumer.config)
     failed = consumer.scheduler.update_from_output(
         FakeConnectorOutput(consumer.workers.report("c", values), {"c"}), set()
     )
@@ -860,11 +855,110 @@ def test_a_sliding_window_group_verifies_its_transferred_blocks() -> None:
     assert scheduled is not None
     assert scheduled.reqs_to_recv["c"].groups[1] == (4, [22, 23, 24])
     bad = {0: tokens[0], 1: corrupt(tokens[1], 99)}
-    values = scheduled_values(scheduled.reqs_to_recv["c"], bad, {0: 16, 1: 16})
+    values = scheduled_values(scheduled.reqs_to_recv["c"], bad, config)
     failed = consumer.scheduler.update_from_output(
         FakeConnectorOutput(consumer.workers.report("c", values), {"c"}), set()
     )
     assert failed == {"c"}
+
+
+def window_blocks(spec: SlidingWindowSpec, num_tokens: int, first_id: int) -> list:
+    """A sliding-window group's blocks: null out of the window, then the
+    ones P/D connectors transfer."""
+    count = -(-num_tokens // spec.block_size)
+    keep = min(count, sliding_window_transfer_blocks(spec))
+    return [None] * (count - keep) + list(range(first_id, first_id + keep))
+
+
+def window_load(
+    producer_bs: int,
+    consumer_bs: int,
+    window: int,
+    num_tokens: int,
+    *,
+    bad_token: int | None = None,
+) -> Consumer:
+    """A model with a full-attention and a sliding-window group: the
+    producer sends, the consumer loads (its window's tokens the producer
+    did not keep hold garbage: no transfer writes them) and verifies."""
+    specs = {
+        bs: kv_config(full(bs), SlidingWindowSpec(bs, sliding_window=window))
+        for bs in (producer_bs, consumer_bs)
+    }
+    workers = {0: 1, 1: 2}
+    tokens = {g: token_values(RNG, num_tokens) for g in range(2)}
+
+    def blocks(bs: int, first_id: int) -> FakeBlocks:
+        count = -(-num_tokens // bs)
+        spec = specs[bs].kv_cache_groups[1].kv_cache_spec
+        assert isinstance(spec, SlidingWindowSpec)
+        return FakeBlocks.of(
+            list(range(first_id, first_id + count)),
+            window_blocks(spec, num_tokens, first_id + 100),
+        )
+
+    producer = Producer(specs[producer_bs], FakeWorkers(fingerprints=workers))
+    sent_blocks = blocks(producer_bs, 1)
+    encoded = producer.send(num_tokens, sent_blocks, tokens)
+    # What the transfer writes: the producer's kept window; the rest of the
+    # consumer's kept blocks is garbage.
+    first_kept = next(i for i, b in enumerate(sent_blocks.blocks[1]) if not b.is_null)
+    loaded = {0: tokens[0], 1: token_values(RNG, num_tokens)}
+    kept = slice(first_kept * producer_bs, num_tokens)
+    loaded[1][kept] = tokens[1][kept]
+    if bad_token is not None:
+        loaded[1] = corrupt(loaded[1], bad_token)
+    consumer = Consumer(specs[consumer_bs], FakeWorkers(fingerprints=workers))
+    req = consumer_request("c", num_tokens, {KV_TRANSFER_PARAMS_KEY: encoded})
+    consumer.failed = consumer.load(req, blocks(consumer_bs, 1), loaded)  # type: ignore[attr-defined]
+    return consumer
+
+
+SLIDING_PAIRS = [(32, 16), (16, 32), (64, 16), (16, 64), (32, 64), (64, 32)]
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
+def test_clean_sliding_window_loads_verify_between_block_sizes(
+    producer_bs: int, consumer_bs: int
+) -> None:
+    outcomes = collections.Counter()
+    for window in (17, 20, 33, 48, 100):
+        for num_tokens in range(1, 160, 3):
+            consumer = window_load(producer_bs, consumer_bs, window, num_tokens)
+            stats = consumer.stats
+            outcomes["verified" if stats.verified else str(dict(stats.unverified))] += 1
+    assert outcomes == {"verified": 5 * len(range(1, 160, 3))}
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
+@pytest.mark.parametrize("from_end", [1, 16, 40])
+def test_a_corrupted_token_in_the_window_fails_between_block_sizes(
+    producer_bs: int, consumer_bs: int, from_end: int
+) -> None:
+    # Window 48: the last 48 tokens (and the one before, which a recomputed
+    # last token reads) are compared.
+    consumer = window_load(producer_bs, consumer_bs, 48, 150, bad_token=150 - from_end)
+    assert consumer.failed == {"c"}  # type: ignore[attr-defined]
+    assert consumer.stats.mismatch == 1
+
+
+def test_a_sliding_window_payload_has_one_value_per_16_tokens() -> None:
+    config = kv_config(full(64), SlidingWindowSpec(64, sliding_window=100))
+    tokens = {g: token_values(RNG, 300) for g in range(2)}
+    spec = config.kv_cache_groups[1].kv_cache_spec
+    assert isinstance(spec, SlidingWindowSpec)
+    producer = Producer(config, FakeWorkers(fingerprints={0: 1, 1: 2}))
+    encoded = producer.send(
+        300, FakeBlocks.of(list(range(1, 6)), window_blocks(spec, 300, 10)), tokens
+    )
+    payload = KVChecksumPayload.from_bytes(base64.b64decode(encoded))
+    # Blocks 2..4 of 64 tokens kept: spans of 16 tokens 8..19.
+    _, span, start, values = payload.groups[1]
+    assert (span, start) == (16, 8)
+    np.testing.assert_array_equal(values, block_sums(tokens[1], 16, 8, 12, 300))
+    # Full attention: a value per block.
+    assert payload.groups[0][1:3] == (64, 0)
+    assert len(payload.groups[0][3]) == 5
 
 
 def mamba_load(
