@@ -16,8 +16,11 @@ checked once it finishes against those checksums instead: each worker's
 checksums against the ones it offloaded
 (``KVChecksumWorker.init_block_checksums``).
 
-Loads that mismatch or cannot be verified fail under ``fail_closed``; under
-fail-open they are logged and counted and proceed.
+A load verifies only if every token it loaded was compared (for a
+sliding-window group, every token of the window the request reads);
+otherwise it is unverified, with the uncovered tokens in the detail. Loads
+that mismatch or cannot be verified fail under ``fail_closed`` (the
+default); under fail-open they are logged and counted and proceed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from engine_patch.kv_cache import (
     KVCacheConfig,
     KVCacheGroup,
     MambaSpec,
+    SlidingWindowSpec,
     cdiv,
     checksum_spans,
     clip_ssm_state_blocks,
@@ -92,6 +96,8 @@ class UnverifiedReason(enum.StrEnum):
     BLOCK_SIZES = "block sizes are not multiples of each other"
     START_INSIDE = "the first loaded block starts inside a producer block"
     NO_COMMON_BLOCK = "a group has no block in common"
+    UNCOVERED = "some loaded tokens have no producer checksum to compare"
+    GAP = "a group's loaded blocks are not consecutive"
     NOTHING_CHECKSUMMED = "no loaded group can be checksummed"
     # Loads of offloaded KV only.
     NO_STORED = "a worker has no offloaded checksums of a loaded block"
@@ -130,7 +136,10 @@ class _Comparison(NamedTuple):
             )
             why = f"does not match the producer's checksums ({where})"
         else:
-            reasons = dict.fromkeys(str(e.reason) for e in self.unverified)
+            reasons = dict.fromkeys(
+                f"{e.reason} ({e.detail})" if e.detail else str(e.reason)
+                for e in self.unverified
+            )
             why = f"could not be verified: {'; '.join(reasons)}"
         return f"{KV_CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} {why}"
 
@@ -140,6 +149,12 @@ class _Pending:
     """A request whose checksums are being collected from the workers."""
 
     blocks: KVChecksumBlocks
+    # A load's first loaded token (after the consumer's cached prefix): the
+    # tokens from there on must all be compared.
+    first_token: int = 0
+    # Groups whose blocks ``_blocks`` could not take (a null block after a
+    # non-null one): loaded, but not checksummed.
+    gaps: frozenset[int] = frozenset()
     # For a load of offloaded KV, its request: the load is checked against the
     # checksums offloaded with the KV (``KVChecksumGroup.stored``), not a
     # producer's.
@@ -306,7 +321,7 @@ class KVChecksumScheduler:
         if not params or not params.get("do_remote_decode"):
             return
         blocks = kv_cache_manager.get_blocks(request.request_id)
-        checksum_blocks = self._blocks(blocks, 0, num_tokens)
+        checksum_blocks, _ = self._blocks(blocks, 0, num_tokens)
         # A new prefill (after a preemption) replaces an earlier one.
         self._sends[request.request_id] = _Pending(checksum_blocks)
         self._scheduled.reqs_to_send[request.request_id] = checksum_blocks
@@ -340,18 +355,23 @@ class KVChecksumScheduler:
         )
         if not remote_prefill:
             if sources and sources <= self._connector.get_kv_checksum_sources(request):
-                checksum_blocks = self._blocks(
+                checksum_blocks, gaps = self._blocks(
                     blocks, num_local_computed_tokens, request.num_computed_tokens
                 )
-                self._recvs[req_id] = _Pending(checksum_blocks, offload_request=request)
+                self._recvs[req_id] = _Pending(
+                    checksum_blocks,
+                    num_local_computed_tokens,
+                    gaps,
+                    offload_request=request,
+                )
                 self._scheduled.reqs_to_load[req_id] = checksum_blocks
             return
         if sources != {CacheHitSource.P2P}:
             return
-        checksum_blocks = self._blocks(
+        checksum_blocks, gaps = self._blocks(
             blocks, num_local_computed_tokens, request.num_computed_tokens
         )
-        pending = _Pending(checksum_blocks)
+        pending = _Pending(checksum_blocks, num_local_computed_tokens, gaps)
         params = request.kv_transfer_params or {}
         if (encoded := params.get(KV_TRANSFER_PARAMS_KEY)) is not None:
             # Not base64 text: b"", not a payload either.
@@ -464,19 +484,20 @@ class KVChecksumScheduler:
 
     def _blocks(
         self, blocks: KVCacheBlocks, start_token: int, end_token: int
-    ) -> KVChecksumBlocks:
+    ) -> tuple[KVChecksumBlocks, frozenset[int]]:
         """The blocks of each transfer group holding tokens in
-        ``[start_token, end_token)``.
+        ``[start_token, end_token)``, and the groups left out for a gap.
 
         Leading null blocks (out of a sliding window) are left out, as is a
-        group with a null block after a non-null one. Sliding-window groups
-        keep only the blocks P/D connectors transfer
+        group with a null block after a non-null one (a gap). Sliding-window
+        groups keep only the blocks P/D connectors transfer
         (``sliding_window_transfer_blocks``).
 
         A Mamba group's state is not per token: its block is the request's
         running-state slot, the one connectors transfer, at position 0.
         """
         groups: dict[int, tuple[int, list[int]]] = {}
+        gaps: set[int] = set()
         for group_id, group in self._groups.items():
             spec = group.kv_cache_spec
             if isinstance(spec, MambaSpec):
@@ -491,9 +512,13 @@ class KVChecksumScheduler:
                 continue
             block_size = spec.block_size
             first = start_token // block_size
-            run = _non_null_run(
-                blocks.blocks[group_id], first, cdiv(end_token, block_size)
-            )
+            try:
+                run = _non_null_run(
+                    blocks.blocks[group_id], first, cdiv(end_token, block_size)
+                )
+            except ValueError:
+                gaps.add(group_id)
+                continue
             if run is None:
                 continue
             start, block_ids = run
@@ -501,7 +526,7 @@ class KVChecksumScheduler:
                 start += max(0, len(block_ids) - keep)
                 block_ids = block_ids[-keep:]
             groups[group_id] = (start, block_ids)
-        return KVChecksumBlocks(num_tokens=end_token, groups=groups)
+        return KVChecksumBlocks(num_tokens=end_token, groups=groups), frozenset(gaps)
 
     def _payload(self, req_id: str, pending: _Pending) -> KVChecksumPayload | None:
         """The sum of every worker's checksums, or None if some are missing."""
@@ -587,6 +612,8 @@ class KVChecksumScheduler:
         unverified: list[_Unverified] = []
         skipped = pending.skipped_groups()
         num_compared = 0
+        for group_id in sorted(pending.gaps):
+            unverified.append(_Unverified(UnverifiedReason.GAP, f"group {group_id}"))
         for group_id in pending.blocks.groups:
             try:
                 if pending.offload_request is not None:
@@ -620,8 +647,10 @@ class KVChecksumScheduler:
         """The group's mismatching block positions, or None if the group is
         not compared (neither side checksums it).
 
-        With different block sizes, sums of the smaller blocks are compared
-        with the larger ones.
+        Compared per span (``checksum_spans``); with different spans, sums of
+        the smaller ones are compared with the larger ones. Without a
+        mismatch, the group verifies only if every token the load must
+        provide was compared (:meth:`_check_covered`).
 
         Raises:
             _Unverified: If the group cannot be compared.
@@ -669,9 +698,6 @@ class KVChecksumScheduler:
                 f"producer, {span} on the consumer",
             )
         spans_per_chunk = chunk_size // span
-        if start * per_block % spans_per_chunk:
-            # Its producer span also holds tokens the consumer did not load.
-            raise _Unverified(UnverifiedReason.START_INSIDE, f"group {group_id}")
         num_tokens = pending.blocks.num_tokens
         sent_first, sent_sums = _chunk_sums(
             sent_values, sent_start, sent_span, chunk_size, expected.num_tokens
@@ -692,11 +718,11 @@ class KVChecksumScheduler:
             num_tokens,
             expected.num_tokens,
         )
-        if not len(chunks):
-            raise _Unverified(UnverifiedReason.NO_COMMON_BLOCK, f"group {group_id}")
         bad = np.zeros(len(chunks), dtype=bool)
         for _, sums in checks:
             bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
+        if not bad.any():
+            self._check_covered(pending, group_id, chunks, chunk_size)
         end = start + len(block_ids)
         # The consumer's blocks holding a bad chunk's spans.
         return sorted(
@@ -709,6 +735,57 @@ class KVChecksumScheduler:
                 )
             }
         )
+
+    def _check_covered(
+        self, pending: _Pending, group_id: int, chunks: np.ndarray, chunk_size: int
+    ) -> None:
+        """Check that the compared ``chunks`` (ascending, of ``chunk_size``
+        tokens) cover every token of the group the load must provide: those
+        from its first loaded token; for a sliding-window group only the
+        window the request reads from (the consumer's first kept block can
+        start before what its producer kept, and the transfer writes no KV
+        there); for a state group the state.
+
+        Raises:
+            _Unverified: If some are not compared, naming them.
+
+        """
+        spec = self._groups[group_id].kv_cache_spec
+        num_tokens = pending.blocks.num_tokens
+        if isinstance(spec, MambaSpec):
+            lo_token, hi_token, lo, hi = 0, 1, 0, 1
+        else:
+            lo_token = pending.first_token
+            if isinstance(spec, SlidingWindowSpec):
+                # The last loaded token, if computed again, reads this far back.
+                lo_token = max(lo_token, num_tokens - spec.sliding_window)
+            hi_token = num_tokens
+            lo, hi = lo_token // chunk_size, cdiv(hi_token, chunk_size)
+        if lo >= hi:
+            return
+        # ``chunks`` is ascending without repeats: all of [lo, hi) are in it
+        # iff that many of it are.
+        within = np.searchsorted(chunks, [lo, hi])
+        if within[1] - within[0] == hi - lo:
+            return
+        if isinstance(spec, MambaSpec):
+            where = "the state"
+        else:
+            missing = np.setdiff1d(np.arange(lo, hi), chunks, assume_unique=True)
+            where = "tokens " + _token_ranges(missing, chunk_size, lo_token, hi_token)
+            where += f" of the loaded [{lo_token}, {hi_token})"
+        if (
+            not isinstance(spec, MambaSpec)
+            and not (len(chunks) and chunks[0] == lo)
+            and pending.blocks.groups[group_id][0] * spec.block_size > lo * chunk_size
+        ):
+            # The consumer's first block starts inside the first chunk.
+            reason = UnverifiedReason.START_INSIDE
+        elif not len(chunks):
+            reason = UnverifiedReason.NO_COMMON_BLOCK
+        else:
+            reason = UnverifiedReason.UNCOVERED
+        raise _Unverified(reason, f"group {group_id}: {where}")
 
     def _compare_stored(self, pending: _Pending, group_id: int) -> list[int] | None:
         """The mismatching block positions in a group of a load of offloaded
@@ -818,6 +895,22 @@ def _chunk_sums(
     return first, sums
 
 
+def _token_ranges(
+    chunks: np.ndarray, chunk_size: int, lo_token: int, hi_token: int
+) -> str:
+    """The tokens of ascending ``chunks`` within ``[lo_token, hi_token)``, as
+    ranges: ``"[32, 48), [64, 70)"``."""
+    ranges: list[list[int]] = []
+    for chunk in chunks.tolist():
+        begin = max(lo_token, chunk * chunk_size)
+        end = min(hi_token, (chunk + 1) * chunk_size)
+        if ranges and ranges[-1][1] == begin:
+            ranges[-1][1] = end
+        else:
+            ranges.append([begin, end])
+    return ", ".join(f"[{begin}, {end})" for begin, end in ranges)
+
+
 def _common_chunks(
     chunks: tuple[int, int],
     sent_chunks: tuple[int, int],
@@ -849,14 +942,19 @@ def _non_null_run(
     blocks: Sequence[Block], first: int, end: int
 ) -> tuple[int, list[int]] | None:
     """The position and ids of the non-null blocks in ``blocks[first:end]``,
-    if they are consecutive and any."""
+    if any.
+
+    Raises:
+        ValueError: If a null block follows a non-null one.
+
+    """
     block_ids: list[int] = []
     offset = 0
     for block in blocks[first:end]:
         if not block.is_null:
             block_ids.append(block.block_id)
         elif block_ids:
-            return None  # A null block after a non-null one.
+            raise ValueError("a null block after a non-null one")
         else:
             offset += 1
     return (first + offset, block_ids) if block_ids else None

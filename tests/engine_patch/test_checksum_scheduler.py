@@ -642,6 +642,106 @@ def test_fail_open_has_no_load_failures() -> None:
     assert consumer.scheduler.take_load_failures() == {}
 
 
+def load_of_other_length(
+    sent_tokens: int,
+    loaded_tokens: int,
+    *,
+    bad_token: int | None = None,
+    fail_closed: bool = True,
+) -> Consumer:
+    """The producer checksums ``sent_tokens`` tokens, the consumer loads
+    ``loaded_tokens`` (the same KV where both have it)."""
+    tokens = token_values(RNG, max(sent_tokens, loaded_tokens))
+    producer = Producer(kv_config(full()))
+    encoded = producer.send(
+        sent_tokens,
+        FakeBlocks.of(list(range(1, 1 + -(-sent_tokens // 16)))),
+        {0: tokens[:sent_tokens]},
+    )
+    loaded = tokens[:loaded_tokens]
+    if bad_token is not None:
+        loaded = corrupt(loaded, bad_token)
+    consumer = Consumer(kv_config(full()), fail_closed=fail_closed)
+    req = consumer_request("c", loaded_tokens, {KV_TRANSFER_PARAMS_KEY: encoded})
+    consumer.failed = consumer.load(  # type: ignore[attr-defined]
+        req, FakeBlocks.of(list(range(20, 20 + -(-loaded_tokens // 16)))), {0: loaded}
+    )
+    return consumer
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_loaded_tokens_past_the_payload_are_unverified_naming_the_range(
+    fail_closed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Checksums of 40 tokens, a load of 70 corrupted at token 60: block 2
+    # holds 8 tokens on the producer, 16 on the consumer; blocks 3 and 4
+    # have no producer checksum. Tokens 32..69 are not compared.
+    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+        consumer = load_of_other_length(40, 70, bad_token=60, fail_closed=fail_closed)
+    assert consumer.failed == ({"c"} if fail_closed else set())  # type: ignore[attr-defined]
+    assert consumer.stats.verified == consumer.stats.mismatch == 0
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+    assert "group 0: tokens [32, 70) of the loaded [0, 70)" in caplog.text
+    if fail_closed:
+        [message] = consumer.scheduler.take_load_failures().values()
+        assert f"{R.UNCOVERED} (group 0: tokens [32, 70)" in message
+
+
+def test_a_last_block_holding_other_tokens_than_the_producers_is_unverified() -> None:
+    # The producer's block 2 holds tokens 32..40, the consumer's 32..39.
+    consumer = load_of_other_length(41, 40)
+    assert consumer.failed == {"c"}  # type: ignore[attr-defined]
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+
+
+def test_a_load_of_fewer_tokens_within_the_payloads_blocks_verifies() -> None:
+    # Whole blocks on both sides: every loaded token is compared.
+    consumer = load_of_other_length(70, 48)
+    assert consumer.failed == set()  # type: ignore[attr-defined]
+    assert consumer.stats.verified == 1
+
+
+def test_a_sliding_window_the_payload_covers_in_part_is_unverified(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 100 tokens. The producer (window 20) sent its last 2 blocks, tokens
+    # 64..99; the consumer's window of 48 reads tokens 52..99 (52 for a
+    # recomputed last token).
+    tokens = {0: token_values(RNG, 100)}
+    producer_spec = SlidingWindowSpec(16, sliding_window=20)
+    consumer_spec = SlidingWindowSpec(16, sliding_window=48)
+    producer = Producer(kv_config(producer_spec))
+    encoded = producer.send(
+        100, FakeBlocks.of(window_blocks(producer_spec, 100, 1)), tokens
+    )
+    consumer = Consumer(kv_config(consumer_spec))
+    req = consumer_request("c", 100, {KV_TRANSFER_PARAMS_KEY: encoded})
+    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+        failed = consumer.load(
+            req, FakeBlocks.of(window_blocks(consumer_spec, 100, 1)), tokens
+        )
+    assert failed == {"c"}
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+    assert "group 0: tokens [52, 64) of the loaded [52, 100)" in caplog.text
+
+
+def test_a_group_whose_loaded_blocks_have_a_gap_is_unverified() -> None:
+    # Group 1's blocks have a null block after a non-null one: they cannot be
+    # checksummed as a run, so its loaded tokens are not compared.
+    config = kv_config(full(), full())
+    consumer, failed = p2p_load(
+        config,
+        config,
+        40,
+        FakeBlocks.of([1, 2, 3], [4, 5, 6]),
+        FakeBlocks.of([7, 8, 9], [10, None, 12]),
+        producer_workers=FakeWorkers(fingerprints={0: 1, 1: 2}),
+        consumer_workers=FakeWorkers(fingerprints={0: 1, 1: 2}),
+    )
+    assert failed == {"req"}
+    assert consumer.stats.unverified == {R.GAP: 1}
+
+
 def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
     num_tokens = 80
     tokens = {0: token_values(RNG, num_tokens)}
@@ -1110,8 +1210,9 @@ UNVERIFIED_CASES = {
     ),
     "first loaded block inside a producer block": (
         dict(
-            params=payload_params((0, 0xF00D, 32, 0, [1, 2])),
-            consumer_blocks=FakeBlocks.of([1, 2, 3]),
+            params=payload_params((0, 0xF00D, 32, 0, [1]), num_tokens=32),
+            consumer_blocks=FakeBlocks.of([1, 2]),
+            num_tokens=32,
             num_local_tokens=16,
         ),
         R.START_INSIDE,
