@@ -73,20 +73,21 @@ def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
 def block_sums(
     src: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Per block ``ids[i]`` of ``src``, ``Σ positions[i, t] · weights[part, h,
-    p] · mix(x)`` over its parts, tokens, heads and pieces (int64, wrapping).
+    """Per block ``ids[i]`` and span ``s`` of ``src``, ``Σ positions[i, s, t]
+    · weights[part, h, p] · mix(x)`` over the span's tokens and their parts,
+    heads and pieces (int64, wrapping): ``[len(ids), spans]``.
 
     Args:
         src: Canonical int64 pieces ``[blocks, parts, tokens, heads, pieces]``.
         ids: Block ids (int64) to sum.
         weights: ``S(l, h) · Q(p)`` shaped ``[parts, 1, heads, pieces]``.
-        positions: ``A(t)`` per block and token, 0 past the request's
-            tokens, ``[len(ids), tokens]``.
+        positions: ``A(t)`` per block, span and token of the span, 0 past
+            the request's tokens: ``[len(ids), spans, tokens // spans]``.
 
     """
     mixed = mix(src[ids]) * weights
     per_token = mixed.sum(dim=(1, 3, 4))
-    return (per_token * positions).sum(dim=1)
+    return (per_token.view(positions.shape) * positions).sum(dim=2)
 
 
 def gathered_sums_(
@@ -100,9 +101,9 @@ def gathered_sums_(
     ops; ``tmp`` is scratch of ``x``'s shape (allocated if None)."""
     mix_(x, torch.empty_like(x) if tmp is None else tmp)
     x *= weights
-    per_token = x.sum(dim=(1, 3, 4))
+    per_token = x.sum(dim=(1, 3, 4)).view(positions.shape)
     per_token *= positions
-    return per_token.sum(dim=1)
+    return per_token.sum(dim=2)
 
 
 def block_sums_eager(

@@ -35,7 +35,7 @@ from engine_patch.hashing import (
     piece_weight,
     position_weights,
 )
-from engine_patch.kv_cache import cdiv
+from engine_patch.kv_cache import cdiv, checksum_tokens
 from engine_patch.types import (
     KVChecksumBlocks,
     KVChecksumGroup,
@@ -204,6 +204,9 @@ class _GroupPlan:
     group_id: int
     block_size: int
     layers: list[_LayerPlan]
+    # Checksum values per block: one per span of ``block_size // spans``
+    # tokens (``kv_cache.checksum_tokens``).
+    spans: int = 1
 
     @property
     def num_blocks(self) -> int:
@@ -245,8 +248,9 @@ class _Computed:
     req_id: str
     # A load of offloaded KV: reported with the values stored with it.
     offloaded: bool
-    # Per group: first block position, replica keys, values [blocks, keys].
-    groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor]]
+    # Per group: first span, replica keys, values [spans, keys], spans per
+    # block.
+    groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor, int]]
 
 
 @dataclass
@@ -281,9 +285,13 @@ class KVChecksumWorker:
     ``max_scratch_bytes`` bounds the memory one pass over a layer uses
     (never less than one block).
 
+    A sliding-window group with blocks over 16 tokens is checksummed per
+    16-token span (``kv_cache.checksum_tokens``): its ``values`` have
+    ``block_size // 16`` rows per block, and its ``start`` counts spans.
+
     Raises:
         ValueError: If a layer's tensor does not fit its layout, layers are
-            on different devices, or a group mixes block sizes.
+            on different devices, or a group mixes block sizes or spec types.
     """
 
     def __init__(
@@ -331,6 +339,11 @@ class KVChecksumWorker:
             shapes = [_shape(layer.kv, layer.layout) for layer in unique]
             if len({shape.block_size for shape in shapes}) > 1:
                 raise ValueError(f"group {group_id}: layers of different block sizes")
+            spec_types = {layer.spec_type for layer in unique}
+            if len(spec_types) > 1:
+                raise ValueError(
+                    f"group {group_id}: layers of spec types {sorted(spec_types)}"
+                )
             self._fingerprints[group_id] = sum(
                 layer_fingerprint(
                     layer.name,
@@ -346,13 +359,15 @@ class KVChecksumWorker:
             ):
                 skipped.add(group_id)
                 continue
+            block_size = shapes[0].block_size
             self._groups[group_id] = _GroupPlan(
                 group_id,
-                shapes[0].block_size,
+                block_size,
                 [
                     _plan_layer(layer, shape)
                     for layer, shape in zip(unique, shapes, strict=True)
                 ],
+                block_size // checksum_tokens(spec_types.pop(), block_size),
             )
         self._skipped = frozenset(skipped)
         self._pending = _Pending()
@@ -447,7 +462,8 @@ class KVChecksumWorker:
             offset = 0
             for computed in batch.computed:
                 groups: dict[int, KVChecksumGroup] = {}
-                for group_id, (start, keys, values) in computed.groups.items():
+                spans: dict[int, int] = {}
+                for group_id, (start, keys, values, k) in computed.groups.items():
                     size = values.numel()
                     groups[group_id] = KVChecksumGroup(
                         start,
@@ -457,9 +473,10 @@ class KVChecksumWorker:
                         .reshape(len(values), len(keys))
                         .copy(),
                     )
+                    spans[group_id] = k
                     offset += size
                 if computed.offloaded and not self._attach_stored(
-                    computed.req_id, groups
+                    computed.req_id, groups, spans
                 ):
                     continue
                 checksums[computed.req_id] = groups
@@ -480,7 +497,8 @@ class KVChecksumWorker:
         self, blocks: KVChecksumBlocks, block_hashes: Mapping[int, Sequence[bytes]]
     ) -> dict[int, np.ndarray]:
         """Per group, the value to offload with each block: the sum of its
-        replica columns XOR ``block_checksum_tags`` of its block hash.
+        replica columns (and spans) XOR ``block_checksum_tags`` of its block
+        hash.
 
         ``block_hashes`` has, per group, the hash of each block of
         ``blocks``. Groups this worker does not checksum are left out. Waits
@@ -503,19 +521,27 @@ class KVChecksumWorker:
             _, values = self._group_values(
                 plan, start, block_ids, blocks.num_tokens, sends_only=False
             )
-            sums = values.sum(dim=1).cpu().numpy().view(np.uint64)
+            sums = (
+                values.view(len(block_ids), -1).sum(dim=1).cpu().numpy().view(np.uint64)
+            )
             out[group_id] = sums ^ block_checksum_tags(
                 hashes, self._fingerprints[group_id]
             )
         return out
 
-    def _attach_stored(self, req_id: str, groups: dict[int, KVChecksumGroup]) -> bool:
-        """Give a load of offloaded KV its stored values; False if some are
-        missing."""
+    def _attach_stored(
+        self,
+        req_id: str,
+        groups: dict[int, KVChecksumGroup],
+        spans: Mapping[int, int],
+    ) -> bool:
+        """Give a load of offloaded KV its stored values (one per block of
+        ``spans[group]`` values); False if some are missing."""
         stored = self._pending.stored.pop(req_id, {})
         for group_id, group in groups.items():
             values = stored.get(group_id)
-            if values is None or values.shape != (len(group.values),):
+            num_blocks = len(group.values) // spans[group_id]
+            if values is None or values.shape != (num_blocks,):
                 logger.warning(
                     "No stored KV checksums of group %d for request %s: "
                     "its load is reported unverified.",
@@ -535,14 +561,14 @@ class KVChecksumWorker:
         offloaded: bool,
     ) -> _Computed:
         """A request's checksums in every group this worker checksums."""
-        groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor]] = {}
+        groups: dict[int, tuple[int, list[ReplicaKey], torch.Tensor, int]] = {}
         for group_id, (start, block_ids) in blocks.groups.items():
             plan = self._groups.get(group_id)
             if plan is not None:
                 keys, values = self._group_values(
                     plan, start, block_ids, blocks.num_tokens, sends_only=sends_only
                 )
-                groups[group_id] = (start, keys, values)
+                groups[group_id] = (start * plan.spans, keys, values, plan.spans)
         return _Computed(req_id, offloaded, groups)
 
     @torch.no_grad()
@@ -555,7 +581,7 @@ class KVChecksumWorker:
         *,
         sends_only: bool,
     ) -> tuple[list[ReplicaKey], torch.Tensor]:
-        """The replica keys and, on the device, the values [blocks, keys] of
+        """The replica keys and, on the device, the values [spans, keys] of
         blocks ``block_ids`` at positions from ``start``.
 
         Raises:
@@ -567,8 +593,9 @@ class KVChecksumWorker:
             if not sends_only or layer.layer.replica_index == 0
         ]
         keys = sorted({layer.key for layer in layers})
+        spans = plan.spans
         values = torch.zeros(
-            (len(block_ids), len(keys)), dtype=torch.int64, device=self._device
+            (len(block_ids) * spans, len(keys)), dtype=torch.int64, device=self._device
         )
         # Blocks wholly past num_tokens hold nothing to sum.
         num_live = max(
@@ -582,21 +609,24 @@ class KVChecksumWorker:
                 f"group {plan.group_id}: block ids outside [0, {plan.num_blocks})"
             )
         ids = self._to_device(np.asarray(live, dtype=np.int64))
-        positions = self._positions(start, num_live, plan.block_size, num_tokens)
+        positions = self._positions(start, num_live, plan.block_size, num_tokens).view(
+            num_live, spans, -1
+        )
         for layer in layers:
             column = keys.index(layer.key)
             chunk = self._chunk_blocks(layer)
             for first in range(0, num_live, chunk):
                 end = min(num_live, first + chunk)
-                values[first:end, column] += self._layer_sums(
+                values[first * spans : end * spans, column] += self._layer_sums(
                     layer, ids[first:end], positions[first:end]
-                )
+                ).reshape(-1)
         return keys, values
 
     def _layer_sums(
         self, layer: _LayerPlan, ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """One layer's checksum of blocks ``ids``: fused if compiled."""
+        """One layer's checksums of blocks ``ids``, ``[blocks, spans]``: fused
+        if compiled."""
         if self._compile and (kernel := checksum_kernel.compiled_block_sums()):
             try:
                 if layer.direct:
@@ -676,7 +706,7 @@ class KVChecksumWorker:
         parts = [
             values.reshape(-1)
             for item in computed
-            for _, _, values in item.groups.values()
+            for _, _, values, _ in item.groups.values()
         ]
         flat = (
             torch.cat(parts)

@@ -51,35 +51,49 @@ def heads_of(layer: KVLayer) -> int:
 
 
 def layer_checksums(
-    layer: KVLayer, start: int, block_ids: Sequence[int], num_tokens: int
+    layer: KVLayer,
+    start: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    span: int | None = None,
 ) -> list[int]:
     """``c(g, b)`` restricted to one layer, for blocks at positions from
-    ``start``: Σ S(l, h)·A(t)·Q(p)·mix(x(t, l, h, p)) mod 2^64."""
+    ``start``: Σ S(l, h)·A(t)·Q(p)·mix(x(t, l, h, p)) mod 2^64; with
+    ``span``, one value per ``span`` tokens of each block instead."""
     block_size = block_size_of(layer)
+    span = span or block_size
     out = []
     for i, block_id in enumerate(block_ids):
-        total = 0
-        for j in range(block_size):
-            t = (start + i) * block_size + j
-            if t >= num_tokens:
-                continue
-            for h in range(heads_of(layer)):
-                data = cell(layer, block_id, j, h)
-                assert len(data) % 8 == 0
-                s = layer_head_weight(layer.index, layer.head_offset + h)
-                for p in range(len(data) // 8):
-                    x = int.from_bytes(data[8 * p : 8 * p + 8], "little")
-                    total += s * position_weight(t) * piece_weight(p) * mix(x)
-        out.append(total % MOD)
+        for first in range(0, block_size, span):
+            total = 0
+            for j in range(first, first + span):
+                t = (start + i) * block_size + j
+                if t >= num_tokens:
+                    continue
+                for h in range(heads_of(layer)):
+                    data = cell(layer, block_id, j, h)
+                    assert len(data) % 8 == 0
+                    s = layer_head_weight(layer.index, layer.head_offset + h)
+                    for p in range(len(data) // 8):
+                        x = int.from_bytes(data[8 * p : 8 * p + 8], "little")
+                        total += s * position_weight(t) * piece_weight(p) * mix(x)
+            out.append(total % MOD)
     return out
 
 
 def checksums(
-    layers: Sequence[KVLayer], start: int, block_ids: Sequence[int], num_tokens: int
+    layers: Sequence[KVLayer],
+    start: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    span: int | None = None,
 ) -> list[int]:
     """Sum of :func:`layer_checksums` over ``layers``."""
-    totals = [0] * len(block_ids)
+    totals: list[int] = []
     for layer in layers:
-        for i, value in enumerate(layer_checksums(layer, start, block_ids, num_tokens)):
-            totals[i] = (totals[i] + value) % MOD
+        values = layer_checksums(layer, start, block_ids, num_tokens, span)
+        totals = [
+            (a + b) % MOD
+            for a, b in zip(totals or [0] * len(values), values, strict=True)
+        ]
     return totals

@@ -254,6 +254,84 @@ def test_a_32_token_block_equals_its_two_16_token_halves() -> None:
     assert whole.all()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_sliding_window_groups_are_checksummed_per_16_token_span(
+    layout: KVLayout, block_size: int
+) -> None:
+    spans = block_size // 16
+    kv = make_kv(
+        layout, torch.bfloat16, "shared_buffer", num_blocks=5, block_size=block_size
+    )
+    sliding = KVLayer("l", 2, 0, kv, layout, spec_type="sliding_window")
+    full = KVLayer("l", 2, 0, kv, layout)
+    sliding_worker = KVChecksumWorker([sliding])
+    full_worker = KVChecksumWorker([full])
+    # From block position 2, the last span partly filled, later ones empty.
+    num_tokens = 3 * block_size + 5
+    group = load_values(sliding_worker, num_tokens, 2, [4, 0, 3])
+    assert group.start == 2 * spans
+    assert group.values.shape == (3 * spans, 1)
+    values = column_sums(group)
+    assert values == checksums([sliding], 2, [4, 0, 3], num_tokens, span=16)
+    assert values[spans + 1 :] == [0] * (2 * spans - 1)
+    assert values[spans] != 0
+    # The spans of a block add up to its full-attention value.
+    blocks = load_values(full_worker, num_tokens, 2, [4, 0, 3]).values[:, 0]
+    per_block = group.values[:, 0].reshape(3, spans).sum(axis=1, dtype=np.uint64)
+    assert (per_block == blocks).all()
+
+
+def test_sliding_window_spans_equal_the_16_token_blocks_of_the_same_tokens() -> None:
+    tokens = random_tensor((128, 2, 16), torch.bfloat16, seed=11)
+    small = tokens.view(8, 16, 2, 16).clone()
+    large = torch.empty(2, 64, 2, 16, dtype=torch.bfloat16)
+    large[[1, 0]] = tokens.view(2, 64, 2, 16)
+    num_tokens = 120
+
+    def worker(kv: torch.Tensor) -> KVChecksumWorker:
+        layer = KVLayer("l", 0, 0, kv, KVLayout.PACKED_NHD, spec_type="sliding_window")
+        return KVChecksumWorker([layer])
+
+    # A consumer of 16-token blocks kept the last 5 of them (one window).
+    kept = load_values(worker(small), num_tokens, 3, [3, 4, 5, 6, 7])
+    spans = load_values(worker(large), num_tokens, 0, [1, 0])
+    assert kept.start == 3 and spans.start == 0
+    assert (spans.values[3:8] == kept.values).all()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 24])
+def test_sliding_window_blocks_of_16_tokens_or_fewer_keep_one_value(
+    block_size: int,
+) -> None:
+    kv = make_kv(
+        KVLayout.PACKED_HND, torch.float16, "contiguous", block_size=block_size
+    )
+    sliding = KVLayer("l", 0, 0, kv, KVLayout.PACKED_HND, spec_type="sliding_window")
+    group = load_values(KVChecksumWorker([sliding]), 3 * block_size, 1, [2, 5])
+    assert group.start == 1
+    assert column_sums(group) == checksums([sliding], 1, [2, 5], 3 * block_size)
+
+
+def test_offloaded_sliding_window_values_are_stored_per_block() -> None:
+    kv = make_kv(KVLayout.PACKED_NHD, torch.bfloat16, "contiguous", block_size=32)
+    layer = KVLayer("l", 0, 0, kv, KVLayout.PACKED_NHD, spec_type="sliding_window")
+    worker = KVChecksumWorker([layer])
+    blocks = KVChecksumBlocks(80, {0: (0, [6, 1, 2])})
+    stored = worker.init_block_checksums(blocks, {0: [b"a", b"b", b"c"]})
+    block_sums = np.array(checksums([layer], 0, [6, 1, 2], 80), dtype=np.uint64)
+    tags = block_checksum_tags([b"a", b"b", b"c"], worker.fingerprints[0])
+    assert (stored[0] == block_sums ^ tags).all()
+    worker.begin_step(KVChecksumScheduled(reqs_to_load={"r": blocks}))
+    worker.set_stored("r", stored)
+    worker.on_loads_finished(["r"])
+    record = worker.take_record()
+    assert record is not None
+    group = record.checksums["r"][0]
+    assert group.values.shape == (6, 1)
+    assert group.stored is not None and (group.stored == stored[0]).all()
+
+
 def gqa_workers(kv: torch.Tensor, tp: int) -> list[KVChecksumWorker]:
     """TP ranks over a layer with fewer KV heads than ranks: each head
     replicated on ``tp // heads`` ranks."""
@@ -383,16 +461,20 @@ def test_fingerprint_is_the_sum_of_layer_fingerprints() -> None:
     worker = KVChecksumWorker(
         [
             KVLayer("x.0", 0, 0, kv, KVLayout.SPLIT),
+            KVLayer("x.1", 1, 0, kv.clone(), KVLayout.SPLIT),
             KVLayer(
-                "x.1", 1, 0, kv.clone(), KVLayout.SPLIT, spec_type="sliding_window"
+                "x.2", 2, 1, kv.clone(), KVLayout.SPLIT, spec_type="sliding_window"
             ),
         ]
     )
     expected = (
         layer_fingerprint("x.0", "full_attention", "bfloat16", 32)
-        + layer_fingerprint("x.1", "sliding_window", "bfloat16", 32)
+        + layer_fingerprint("x.1", "full_attention", "bfloat16", 32)
     ) % MOD
-    assert worker.fingerprints == {0: expected}
+    assert worker.fingerprints == {
+        0: expected,
+        1: layer_fingerprint("x.2", "sliding_window", "bfloat16", 32),
+    }
 
 
 def offload_worker(kv: torch.Tensor) -> KVChecksumWorker:
@@ -552,6 +634,13 @@ def test_bad_layers_and_blocks_raise() -> None:
             [
                 KVLayer("a", 0, 0, kv, KVLayout.PACKED_NHD),
                 KVLayer("b", 1, 0, kv[:, :2].clone(), KVLayout.PACKED_NHD),
+            ]
+        )
+    with pytest.raises(ValueError, match="spec types"):
+        KVChecksumWorker(
+            [
+                KVLayer("a", 0, 0, kv, KVLayout.PACKED_NHD),
+                KVLayer("b", 1, 0, kv.clone(), KVLayout.PACKED_NHD, "sliding_window"),
             ]
         )
     with pytest.raises(ValueError, match="replica"):
