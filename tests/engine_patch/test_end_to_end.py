@@ -416,25 +416,112 @@ def test_corruption_is_detected_across_block_sizes_and_replicas(case: str) -> No
     assert t.load(corrupt=DETECTED[case]) == {"req"}
 
 
+# --- Sliding windows between block sizes ------------------------------------------
+
+# A full-attention group and a sliding-window group (window 40: not a whole
+# number of blocks).
+WINDOW = 40
+SLIDING = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1)),
+        GroupShape(layers=(2, 3), sliding_window=WINDOW),
+    )
+)
+SLIDING_BLOCK_SIZES = [(32, 16), (16, 32)]
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+def test_sliding_window_loads_between_block_sizes_verify(
+    producer_bs: int, consumer_bs: int
+) -> None:
+    producer, consumer = engines(
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING,
+        consumer_model=SLIDING,
+    )
+    lengths = range(1, 140, 3)
+    for n in lengths:
+        t = transfer(producer, consumer, n, seed=n, req_id=f"r{n}")
+        assert t.load() == set(), n
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (
+        len(lengths),
+        0,
+        {},
+    )
+
+
+def _window_flip(token: int) -> Callable[[KV], None]:
+    """Flip a bit of ``token`` in the sliding-window group (group 1)."""
+    return flip(1, 1, token, 1, 3, 5)
+
+
+SLIDING_DETECTED: dict[str, Callable[[KV], None]] = {
+    "a bit of the last token": _window_flip(-1),
+    # The next token reads from WINDOW - 1 tokens back; a recomputed last
+    # token from WINDOW back.
+    "a bit of the window's first token": _window_flip(-(WINDOW - 1)),
+    "a bit of the first token a recomputed last token reads": _window_flip(-WINDOW),
+    "swapped tokens": lambda kv: _swap(kv[1], 1, -3, -2),
+    "a zeroed 16-token span": lambda kv: kv[1][:, -20:-4].fill(0),
+}
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+@pytest.mark.parametrize("num_tokens", [100, 77])
+@pytest.mark.parametrize("case", list(SLIDING_DETECTED))
+def test_corruption_in_a_sliding_window_is_detected_between_block_sizes(
+    producer_bs: int, consumer_bs: int, num_tokens: int, case: str
+) -> None:
+    producer, consumer = engines(
+        (2, 1),
+        (1, 1),
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING,
+        consumer_model=SLIDING,
+    )
+    t = transfer(producer, consumer, num_tokens, seed=5)
+
+    def corrupt(kv: KV) -> None:
+        # Index from the end of the whole request, whatever was transferred.
+        full = {
+            g: np.zeros((*a.shape[:1], num_tokens, *a.shape[2:]), a.dtype)
+            for g, a in kv.items()
+        }
+        for g, a in kv.items():
+            full[g][:, num_tokens - a.shape[1] :] = a
+        SLIDING_DETECTED[case](full)
+        for g, a in kv.items():
+            a[...] = full[g][:, num_tokens - a.shape[1] :]
+
+    assert t.load(corrupt=corrupt) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
 # --- Many clean loads -------------------------------------------------------------
 
 CLEAN_PAIRINGS = [
-    *(((p, c, 16, 16) for p, c in PAIRINGS.values())),
-    ((1, 1), (1, 1), 16, 32),
-    ((2, 1), (1, 2), 32, 16),
+    *(((MODEL, p, c, 16, 16) for p, c in PAIRINGS.values())),
+    (MODEL, (1, 1), (1, 1), 16, 32),
+    (MODEL, (2, 1), (1, 2), 32, 16),
+    (SLIDING, (1, 1), (2, 1), 16, 32),
+    (SLIDING, (2, 1), (1, 1), 32, 16),
+    (SLIDING, (1, 2), (1, 1), 32, 16),
 ]
 
 
 def test_a_thousand_clean_random_loads_all_verify() -> None:
     rng = np.random.default_rng(2024)
     total = 0
-    for i, (p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
+    for i, (model, p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
         layouts = list(KVLayout)
         producer = SimEngine(
-            MODEL, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
+            model, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
         )
         consumer = SimEngine(
-            MODEL,
+            model,
             tp=c[0],
             pp=c[1],
             block_size=c_bs,
