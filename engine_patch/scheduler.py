@@ -61,6 +61,7 @@ from engine_patch.payload import (
     KVChecksumPayload,
     decode_base64,
 )
+from engine_patch.records import checksums_problem, record_problem, requests_named
 from engine_patch.stats import KVChecksumStats
 from engine_patch.types import (
     KVChecksumBlocks,
@@ -98,6 +99,9 @@ class UnverifiedReason(enum.StrEnum):
     NO_COMMON_BLOCK = "a group has no block in common"
     UNCOVERED = "some loaded tokens have no producer checksum to compare"
     GAP = "a group's loaded blocks are not consecutive"
+    MALFORMED = "a worker's checksums are malformed"
+    # A bug of the scheduler's own: it cannot compare what it was given.
+    INTERNAL = "the checksums could not be compared (internal error)"
     NOTHING_CHECKSUMMED = "no loaded group can be checksummed"
     # Loads of offloaded KV only.
     NO_STORED = "a worker has no offloaded checksums of a loaded block"
@@ -163,28 +167,35 @@ class _Pending:
     expected: KVChecksumPayload | None = None
     # Why ``expected`` is None.
     missing_reason: UnverifiedReason = UnverifiedReason.NO_CHECKSUMS
+    # Why a worker's report of the request is malformed, if one is.
+    malformed: str | None = None
     # Per (pp_rank, tp_rank): its checksums of the request per group, and its
     # record.
     reports: dict[
         tuple[int, int], tuple[dict[int, KVChecksumGroup], KVChecksumRecord]
     ] = field(default_factory=dict)
 
-    def set_expected(self, req_id: str, data: bytes) -> None:
-        """Take the producer's payload; a malformed one leaves the load
-        unverified."""
+    def set_expected(self, req_id: str, data: object) -> None:
+        """Take the producer's payload; a malformed one (or not bytes) leaves
+        the load unverified."""
         try:
+            if not isinstance(data, bytes):
+                raise ValueError(f"a {type(data).__name__}, not bytes")
             self.expected = KVChecksumPayload.from_bytes(data)
         except ValueError as e:
             self.missing_reason = UnverifiedReason.INVALID_CHECKSUMS
             logger.debug("Invalid KV checksums for request %s: %s", req_id, e)
 
     def check_complete(self, num_workers: int) -> None:
-        """Check that every worker reported the request.
+        """Check that every worker reported the request, in well-formed
+        records (their ranks are checked to be in range as they come).
 
         Raises:
             _Unverified: If not.
 
         """
+        if self.malformed is not None:
+            raise _Unverified(UnverifiedReason.MALFORMED, self.malformed)
         if len(self.reports) < num_workers:
             raise _Unverified(
                 UnverifiedReason.INCOMPLETE,
@@ -197,10 +208,22 @@ class _Pending:
 
     def fingerprint(self, group_id: int) -> int:
         """The group's fingerprint for the whole model: one TP rank's per PP
-        stage, summed."""
-        stages = {pp_rank: record for (pp_rank, _), (_, record) in self.reports.items()}
-        total = sum(record.fingerprints.get(group_id, 0) for record in stages.values())
-        return total % 2**64
+        stage (all of a stage's ranks hold the same layers), summed.
+
+        Raises:
+            _Unverified: If the TP ranks of a stage disagree.
+
+        """
+        stages: dict[int, int] = {}
+        for (pp_rank, tp_rank), (_, record) in self.reports.items():
+            fingerprint = record.fingerprints.get(group_id, 0)
+            if stages.setdefault(pp_rank, fingerprint) != fingerprint:
+                raise _Unverified(
+                    UnverifiedReason.MALFORMED,
+                    f"group {group_id}: the fingerprint of worker "
+                    f"{(pp_rank, tp_rank)} differs from its stage's",
+                )
+        return sum(stages.values()) % 2**64
 
     def group_checksums(self, group_id: int, per_block: int) -> list[KVChecksumGroup]:
         """Every worker's checksums of the group's scheduled blocks, at
@@ -212,11 +235,22 @@ class _Pending:
 
         """
         start, block_ids = self.blocks.groups[group_id]
-        groups = [
-            group
-            for checksums, _ in self.reports.values()
-            if (group := checksums.get(group_id)) is not None
-        ]
+        groups = []
+        for worker, (checksums, record) in self.reports.items():
+            group = checksums.get(group_id)
+            # A worker checksums the groups it holds layers of and can.
+            holds = (
+                group_id in record.fingerprints
+                and group_id not in record.skipped_groups
+            )
+            if holds != (group is not None):
+                raise _Unverified(
+                    UnverifiedReason.INCOMPLETE,
+                    f"group {group_id}: worker {worker} "
+                    + ("left it out" if holds else "has no layers of it"),
+                )
+            if group is not None:
+                groups.append(group)
         for group in groups:
             if group.start != start * per_block or group.values.shape != (
                 len(block_ids) * per_block,
@@ -245,6 +279,7 @@ class KVChecksumScheduler:
     ) -> None:
         self._connector = connector
         self._tp_size = config.tp_size
+        self._pp_size = config.pp_size
         self._num_workers = config.tp_size * config.pp_size
         self._fail_closed = config.fail_closed
         self._groups: dict[int, KVCacheGroup] = {
@@ -412,22 +447,21 @@ class KVChecksumScheduler:
         if kv_connector_output is None:
             return set()
         for record in kv_connector_output.kv_checksums or ():
-            worker = (record.pp_rank, record.tp_rank)
-            for req_id, groups in record.checksums.items():
-                pending = self._sends.get(req_id) or self._recvs.get(req_id)
-                if pending is not None:
-                    pending.reports[worker] = (groups, record)
-            for req_id, data in record.received.items():
-                pending = self._recvs.get(req_id)
-                if pending is not None and pending.expected is None:
-                    pending.set_expected(req_id, data)
+            self._take_record(record)
 
         failed: set[str] = set()
         for req_id in kv_connector_output.finished_recving or ():
             pending = self._recvs.pop(req_id, None)
             if pending is None or req_id in skip_req_ids:
                 continue
-            outcome = self._verify(req_id, pending)
+            try:
+                outcome = self._verify(req_id, pending)
+            except Exception:
+                # Never out of the engine's scheduler: what cannot be
+                # compared is unverified.
+                logger.exception("KV checksums of request %s not compared.", req_id)
+                self.stats.unverified[UnverifiedReason.INTERNAL] += 1
+                outcome = _Comparison({}, [_Unverified(UnverifiedReason.INTERNAL)], 0)
             if outcome is None:
                 continue
             mismatches = outcome.mismatches
@@ -441,6 +475,34 @@ class KVChecksumScheduler:
                 failed.add(req_id)
                 self._failures[req_id] = outcome.failure_message(req_id)
         return failed
+
+    def _take_record(self, record: object) -> None:
+        """File a worker's report under the requests it has checksums of; a
+        malformed one leaves them unverified (or unsent)."""
+        problem = record_problem(record, tp_size=self._tp_size, pp_size=self._pp_size)
+        if problem is not None:
+            for req_id in requests_named(record):
+                if (pending := self._pending(req_id)) is not None:
+                    pending.malformed = problem
+            warning_once(logger, "Malformed KV checksum record: %s.", problem)
+            return
+        assert isinstance(record, KVChecksumRecord)
+        worker = (record.pp_rank, record.tp_rank)
+        for req_id, groups in record.checksums.items():
+            if (pending := self._pending(req_id)) is None:
+                continue
+            problem = checksums_problem(groups, tp_size=self._tp_size)
+            if problem is not None:
+                pending.malformed = f"worker {worker}: {problem}"
+                continue
+            pending.reports[worker] = (groups, record)
+        for req_id, data in record.received.items():
+            pending = self._recvs.get(req_id)
+            if pending is not None and pending.expected is None:
+                pending.set_expected(req_id, data)
+
+    def _pending(self, req_id: str) -> _Pending | None:
+        return self._sends.get(req_id) or self._recvs.get(req_id)
 
     def take_load_failures(self) -> dict[str, str]:
         """Why each load failed by :meth:`update_from_output` since the last
@@ -556,6 +618,11 @@ class KVChecksumScheduler:
             self.stats.not_sent[e.reason] += 1
             warning_once(logger, "KV checksums not sent: %s.", e.reason)
             logger.debug("KV checksums of request %s not sent: %s", req_id, e.detail)
+            return None
+        except Exception:
+            # Never out of the engine's scheduler: the consumer finds none.
+            logger.exception("KV checksums of request %s not sent.", req_id)
+            self.stats.not_sent[UnverifiedReason.INTERNAL] += 1
             return None
         return KVChecksumPayload(self._tp_size, pending.blocks.num_tokens, groups)
 

@@ -442,7 +442,8 @@ def test_a_stale_report_of_other_blocks_leaves_the_send_without_checksums() -> N
 
 def test_producer_skipped_groups_and_groups_no_worker_reports_are_not_sent() -> None:
     config = kv_config(full(), full(), full())
-    workers = FakeWorkers(fingerprints={0: 1, 1: 2, 2: 3}, skipped=frozenset({1}))
+    # Group 2 holds only drafter layers: the workers have none of them.
+    workers = FakeWorkers(fingerprints={0: 1, 1: 2}, skipped=frozenset({1}))
     producer = Producer(config, workers)
     req = producer_request("p", 16)
     producer.manager.by_request["p"] = FakeBlocks.of([1], [2], [3])
@@ -455,7 +456,7 @@ def test_producer_skipped_groups_and_groups_no_worker_reports_are_not_sent() -> 
         {g: token_values(RNG, 16) for g in range(3)},
         config,
     )
-    del values[2]  # Group 2 holds only drafter layers: no worker checksums it.
+    del values[2]
     producer.scheduler.update_from_output(
         FakeConnectorOutput(workers.report("p", values)), set()
     )
