@@ -93,7 +93,10 @@ class UnverifiedReason(enum.StrEnum):
     MISSING_REPLICA = "a replica was not checksummed"
     MAMBA_TP = "Mamba state without TP splits differs between TP sizes"
     ONE_SIDE = "a group is checksummed by one side only"
-    OTHER_LAYERS = "a group holds other layers or dtype on the producer"
+    # The fingerprints differ: other layers, KV heads, head size or dtype.
+    OTHER_LAYERS = (
+        "the producer's model differs (a group's layers, KV heads, head size or dtype)"
+    )
     BLOCK_SIZES = "block sizes are not multiples of each other"
     START_INSIDE = "the first loaded block starts inside a producer block"
     NO_COMMON_BLOCK = "a group has no block in common"

@@ -210,6 +210,7 @@ class SimEngine:
                     head_offset=head_offset,
                     replicas=replicas,
                     replica_index=replica_index,
+                    total_num_kv_heads=heads,
                 )
                 caches.append(
                     _Cache(layer, g, slot, slice(head_offset, head_offset + local))

@@ -278,6 +278,42 @@ def test_a_group_skipped_on_one_side_only_is_unverified(
     assert consumer.scheduler.stats.unverified == {R.ONE_SIDE: 1}
 
 
+@pytest.mark.parametrize(
+    ("producer_model", "consumer_model"),
+    [
+        (ModelShape(num_kv_heads=4), ModelShape(num_kv_heads=2)),
+        (ModelShape(num_kv_heads=2), ModelShape(num_kv_heads=4)),
+        (
+            ModelShape(groups=(GroupShape(layers=(0, 1, 2, 3), head_size=8),)),
+            ModelShape(groups=(GroupShape(layers=(0, 1, 2, 3), head_size=4),)),
+        ),
+        (ModelShape(groups=(GroupShape(layers=(0, 1, 2)),)), MODEL),
+    ],
+    ids=["4 KV heads -> 2", "2 KV heads -> 4", "head size 8 -> 4", "3 layers -> 4"],
+)
+@pytest.mark.parametrize("consumer_tp", [1, 2])
+def test_a_pair_serving_different_models_is_unverified_not_a_mismatch(
+    producer_model: ModelShape, consumer_model: ModelShape, consumer_tp: int
+) -> None:
+    producer, consumer = engines(
+        consumer=(consumer_tp, 1),
+        producer_model=producer_model,
+        consumer_model=consumer_model,
+    )
+    t = transfer(producer, consumer, 40)
+    want = consumer_model.random_kv(0, 40)
+
+    def convert(kv: KV) -> None:
+        # What the consumer's cache holds after the load: KV of its shape.
+        kv[0] = want[0]
+
+    assert t.load(corrupt=convert) == {"req"}
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch) == (0, 0)
+    assert stats.unverified == {R.OTHER_LAYERS: 1}
+    assert "model differs" in R.OTHER_LAYERS
+
+
 @pytest.mark.parametrize("reason", [FinishReason.ABORT, FinishReason.ERROR])
 def test_an_aborted_producer_sends_nothing(reason: FinishReason) -> None:
     producer, _ = engines()
