@@ -301,6 +301,7 @@ class KVChecksumScheduler:
         self._remote_prefills: set[str] = set()
         self._to_send: dict[str, bytes] = {}
         self._failures: dict[str, str] = {}
+        self._mismatched: dict[str, dict[int, list[int]]] = {}
         self._scheduled = KVChecksumScheduled()
         self.stats = KVChecksumStats()
 
@@ -468,6 +469,8 @@ class KVChecksumScheduler:
             if outcome is None:
                 continue
             mismatches = outcome.mismatches
+            if mismatches:
+                self._mismatched[req_id] = mismatches
             if pending.offload_request is not None and (
                 mismatches or self._fail_closed
             ):
@@ -478,6 +481,23 @@ class KVChecksumScheduler:
                 failed.add(req_id)
                 self._failures[req_id] = outcome.failure_message(req_id)
         return failed
+
+    def take_mismatched_loads(self) -> dict[str, dict[int, list[int]]]:
+        """Every load that mismatched since the last call, under
+        fail-closed and fail-open alike: request id -> its mismatching block
+        positions per group.
+
+        The host must never let another request reuse such a load's KV:
+        none of the request's blocks from its first loaded one on (nor those
+        it computes later, which derive from them) may enter its prefix
+        cache. Under fail-open the request itself goes on with the KV it
+        loaded (its answer may be wrong: that is what fail-open accepts);
+        under fail-closed it is also among :meth:`update_from_output`'s
+        failed loads. Unverified loads are not named: nothing says their KV
+        is bad.
+        """
+        mismatched, self._mismatched = self._mismatched, {}
+        return mismatched
 
     def _take_record(self, record: object) -> None:
         """File a worker's report under the requests it has checksums of; a

@@ -614,6 +614,30 @@ def test_fail_open_logs_and_counts_a_mismatch_but_lets_the_load_proceed(
     assert "fail-open" in caplog.text
 
 
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_mismatched_loads_are_named_for_the_host_to_keep_out_of_its_prefix_cache(
+    fail_closed: bool,
+) -> None:
+    tokens = {0: token_values(RNG, 40)}
+    producer = Producer(kv_config(full()))
+    consumer = Consumer(kv_config(full()), fail_closed=fail_closed)
+    loads = {"bad": {0: corrupt(tokens[0], 20)}, "good": tokens, "unsent": tokens}
+    for req_id, loaded in loads.items():
+        req = producer_request(req_id, 40)
+        producer.prefill(req, FakeBlocks.of([1, 2, 3]), tokens)
+        params = {KV_TRANSFER_PARAMS_KEY: producer.finish(req)}
+        if req_id == "unsent":
+            params = {}
+        consumer.load(
+            consumer_request(req_id, 40, params), FakeBlocks.of([4, 5, 6]), loaded
+        )
+    assert consumer.stats.mismatch == consumer.stats.verified == 1
+    assert consumer.stats.unverified == {R.NO_CHECKSUMS: 1}
+    # In both modes; under fail-open the request itself goes on.
+    assert consumer.scheduler.take_mismatched_loads() == {"bad": {0: [1]}}
+    assert consumer.scheduler.take_mismatched_loads() == {}
+
+
 def test_a_failed_load_says_why_in_its_failure_message() -> None:
     tokens = {0: token_values(RNG, 40)}
     producer = Producer(kv_config(full()))

@@ -201,6 +201,46 @@ def test_a_corrupted_copy_of_replicated_heads_fails() -> None:
     assert consumer.scheduler.stats.mismatch == 1
 
 
+# --- The prefix cache -------------------------------------------------------------
+
+
+def prefix_caching_engines(fail_closed: bool) -> tuple[SimEngine, SimEngine]:
+    producer, consumer = engines(fail_closed=fail_closed)
+    consumer.prefix_caching = True
+    return producer, consumer
+
+
+def test_a_verified_loads_blocks_serve_a_later_request_from_the_prefix_cache() -> None:
+    producer, consumer = prefix_caching_engines(fail_closed=True)
+    assert transfer(producer, consumer, 70, seed=3, req_id="a").load() == set()
+    again = transfer(producer, consumer, 70, seed=3, req_id="b")
+    assert again.load() == set()
+    # Blocks 0..3 came from the cache; only the last was loaded.
+    assert again.num_cached_tokens == 64
+    for g, kv in again.kv.items():
+        np.testing.assert_array_equal(again.seen[g], kv)
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_a_mismatched_loads_blocks_never_serve_another_request(
+    fail_closed: bool,
+) -> None:
+    producer, consumer = prefix_caching_engines(fail_closed)
+    first = transfer(producer, consumer, 70, seed=3, req_id="a")
+    failed = first.load(corrupt=flip(0, 1, 20, 0, 2, 3))
+    # Fail-open: the request itself goes on with what it loaded.
+    assert failed == ({"a"} if fail_closed else set())
+    assert consumer.scheduler.stats.mismatch == 1
+    again = transfer(producer, consumer, 70, seed=3, req_id="b")
+    assert again.load() == set()
+    # It decodes from the producer's KV: nothing was cached from the bad
+    # load, the same prompt loads it all.
+    for g, kv in again.kv.items():
+        np.testing.assert_array_equal(again.seen[g], kv)
+    assert again.num_cached_tokens == 0
+    assert consumer.scheduler.stats.verified == 1
+
+
 # --- Unverified loads -----------------------------------------------------------
 
 
