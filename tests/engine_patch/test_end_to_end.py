@@ -425,7 +425,7 @@ def _swap(t: np.ndarray, dim: int, a: int | slice, b: int | slice) -> None:
 
 
 def _changed_byte(kv: KV) -> None:
-    kv[0][2, 33, 0, 5] += 77
+    kv[0][2, 33, 0, 5] = (int(kv[0][2, 33, 0, 5]) + 77) % 256
 
 
 def _zeroed_block(kv: KV) -> None:
@@ -573,6 +573,39 @@ def test_corruption_in_a_sliding_window_is_detected_between_block_sizes(
             a[...] = full[g][:, num_tokens - a.shape[1] :]
 
     assert t.load(corrupt=corrupt) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
+# The detection matrix on a sliding-window group: 4 layers, as MODEL's
+# group, so the cases apply as they are; at 50 tokens a window of 40 keeps
+# every block on both sides, so every token is compared.
+SLIDING_WIDE = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1, 2, 3)),
+        GroupShape(layers=(4, 5, 6, 7), sliding_window=WINDOW),
+    )
+)
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+@pytest.mark.parametrize("case", list(DETECTED))
+def test_corruption_of_a_sliding_window_group_is_detected_between_block_sizes(
+    producer_bs: int, consumer_bs: int, case: str
+) -> None:
+    producer, consumer = engines(
+        (1, 1),
+        (2, 1),
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING_WIDE,
+        consumer_model=SLIDING_WIDE,
+    )
+    t = transfer(producer, consumer, NUM_TOKENS, seed=7)
+
+    def corrupt_window_group(kv: KV) -> None:
+        DETECTED[case]({0: kv[1]})
+
+    assert t.load(corrupt=corrupt_window_group) == {"req"}
     assert consumer.scheduler.stats.mismatch == 1
 
 
