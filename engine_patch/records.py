@@ -6,7 +6,6 @@ malformed report leaves the loads it names unverified.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,42 +14,47 @@ from engine_patch.types import KVChecksumGroup, KVChecksumRecord
 
 _U64 = 1 << 64
 
+# Exact types: checked on every record of every step, so no ABC lookups;
+# ``type(x) is int`` also refuses bools.
+
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int
 
 
-def _is_int_keyed(value: object) -> bool:
-    return isinstance(value, Mapping) and all(_is_int(key) for key in value)
+def _all_str(keys: dict[Any, Any]) -> bool:
+    return all(type(key) is str for key in keys)
 
 
 def record_problem(record: object, *, tp_size: int, pp_size: int) -> str | None:
     """Why a record as a whole is malformed, or None: its worker's ranks are
     out of range, or a field has the wrong type. (The checksums of each
     request are checked by :func:`checksums_problem`.)"""
-    if not isinstance(record, KVChecksumRecord):
+    if type(record) is not KVChecksumRecord:
         return f"not a checksum record: {type(record).__name__}"
     pp_rank, tp_rank = record.pp_rank, record.tp_rank
     if not (_is_int(pp_rank) and _is_int(tp_rank)):
         return f"ranks {pp_rank!r}, {tp_rank!r} are not integers"
     if not (0 <= pp_rank < pp_size and 0 <= tp_rank < tp_size):
         return f"no worker ({pp_rank}, {tp_rank}) in PP {pp_size}, TP {tp_size}"
-    if not isinstance(record.checksums, Mapping) or not all(
-        isinstance(req_id, str) for req_id in record.checksums
-    ):
+    checksums = record.checksums
+    if type(checksums) is not dict or not _all_str(checksums):
         return "checksums are not keyed by request id"
     skipped = record.skipped_groups
-    if not isinstance(skipped, (set, frozenset)) or not all(map(_is_int, skipped)):
+    if type(skipped) not in (set, frozenset) or not all(map(_is_int, skipped)):
         return "skipped groups are not a set of group ids"
     fingerprints = record.fingerprints
-    if not _is_int_keyed(fingerprints) or not all(
-        _is_int(fp) and 0 <= fp < _U64 for fp in fingerprints.values()
-    ):
+    if type(fingerprints) is not dict:
         return "fingerprints are not 64-bit integers per group id"
+    for group_id, fingerprint in fingerprints.items():
+        if not (
+            type(group_id) is int
+            and type(fingerprint) is int
+            and 0 <= fingerprint < _U64
+        ):
+            return "fingerprints are not 64-bit integers per group id"
     received = record.received
-    if not isinstance(received, Mapping) or not all(
-        isinstance(req_id, str) for req_id in received
-    ):
+    if type(received) is not dict or not _all_str(received):
         return "received checksums are not keyed by request id"
     return None
 
@@ -59,9 +63,9 @@ def requests_named(record: object) -> list[str]:
     """The request ids a (possibly malformed) record has checksums of, as
     far as it can tell."""
     checksums = getattr(record, "checksums", None)
-    if not isinstance(checksums, Mapping):
+    if type(checksums) is not dict:
         return []
-    return [req_id for req_id in checksums if isinstance(req_id, str)]
+    return [req_id for req_id in checksums if type(req_id) is str]
 
 
 def checksums_problem(groups: object, *, tp_size: int) -> str | None:
@@ -74,32 +78,35 @@ def checksums_problem(groups: object, *, tp_size: int) -> str | None:
     uint64 ``[blocks]``. Shapes against the scheduled blocks are checked
     where the group is compared.
     """
-    if not _is_int_keyed(groups):
+    if type(groups) is not dict:
         return "checksums are not keyed by group id"
-    assert isinstance(groups, Mapping)
     for group_id, group in groups.items():
+        if not _is_int(group_id):
+            return "checksums are not keyed by group id"
         if (problem := _group_problem(group, tp_size)) is not None:
             return f"group {group_id}: {problem}"
     return None
 
 
 def _group_problem(group: object, tp_size: int) -> str | None:
-    if not isinstance(group, KVChecksumGroup):
+    if type(group) is not KVChecksumGroup:
         return f"not checksums of a group: {type(group).__name__}"
     if not _is_int(group.start) or group.start < 0:
         return f"start {group.start!r}"
     keys: Any = group.replica_keys
-    if not isinstance(keys, list) or not all(
-        isinstance(key, tuple)
-        and len(key) == 2
-        and _is_int(key[0])
-        and _is_int(key[1])
-        and 1 <= key[0] <= tp_size
-        and 0 <= key[1] < key[0]
-        for key in keys
-    ):
+    if type(keys) is not list:
         return f"replica keys {keys!r}"
-    if len(set(keys)) != len(keys):
+    for key in keys:
+        if not (
+            type(key) is tuple
+            and len(key) == 2
+            and type(key[0]) is int
+            and type(key[1]) is int
+            and 1 <= key[0] <= tp_size
+            and 0 <= key[1] < key[0]
+        ):
+            return f"replica keys {keys!r}"
+    if len(keys) > 1 and len(set(keys)) != len(keys):
         return f"repeated replica keys {keys!r}"
     values = group.values
     if not _is_uint64(values, 2) or values.shape[1] != len(keys):
@@ -111,11 +118,7 @@ def _group_problem(group: object, tp_size: int) -> str | None:
 
 
 def _is_uint64(array: object, ndim: int) -> bool:
-    return (
-        isinstance(array, np.ndarray)
-        and array.dtype == np.uint64
-        and array.ndim == ndim
-    )
+    return type(array) is np.ndarray and array.dtype == np.uint64 and array.ndim == ndim
 
 
 def _describe(array: object) -> str:
