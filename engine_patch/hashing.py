@@ -75,11 +75,25 @@ def hash64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
-def layer_fingerprint(name: str, spec_type: str, dtype: str, cell_bytes: int) -> int:
-    """One layer's share of its group's fingerprint: its identity (name, spec
-    type, dtype and bytes per cell). Block size is left out on purpose: the
-    checksum does not depend on it, and producer and consumer may differ."""
-    return hash64("kvguard-layer-v1", name, spec_type, dtype, cell_bytes)
+def layer_fingerprint(
+    name: str,
+    spec_type: str,
+    dtype: str,
+    cell_bytes: int,
+    *,
+    total_num_kv_heads: int | None = None,
+) -> int:
+    """One layer's share of its group's fingerprint: every fact that makes
+    two sides' sums incomparable. Its name (summed over a group's layers, the
+    sum also tells which and how many layers), spec type, dtype, bytes per
+    cell (with the dtype: the head size, K and V) and the model's KV heads
+    across all TP ranks (None: the host does not say; such a layer matches
+    only another that does not either). Block size and TP size are left out
+    on purpose: the checksum does not depend on them, and producer and
+    consumer may differ."""
+    return hash64(
+        "kvguard-layer-v2", name, spec_type, dtype, cell_bytes, total_num_kv_heads
+    )
 
 
 def block_checksum_tags(block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:

@@ -102,6 +102,16 @@ def checksum_tokens(spec_type: str, block_size: int) -> int:
     return block_size
 
 
+def checksum_spans(spec: KVCacheSpec) -> tuple[int, int]:
+    """A group's checksum span: tokens per checksum value
+    (:func:`checksum_tokens`) and values per block, 1 for a state group
+    (its one running state)."""
+    span = checksum_tokens(spec_type_of(spec), spec.block_size)
+    if isinstance(spec, MambaSpec):
+        return span, 1
+    return span, spec.block_size // span
+
+
 def spec_type_of(spec: KVCacheSpec) -> str:
     """The ``spec_type`` name of a spec (see :func:`checksum_tokens`)."""
     if isinstance(spec, MambaSpec):

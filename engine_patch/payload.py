@@ -28,7 +28,9 @@ class KVChecksumPayload:
     # Tokens whose KV the checksummed blocks hold.
     num_tokens: int
     # Per KV cache group id: its fingerprint (``KVChecksumRecord.fingerprints``),
-    # block size, first block position, and one uint64 checksum per position.
+    # tokens per checksum (its span, ``kv_cache.checksum_spans``: a block, 16
+    # tokens of a sliding-window block, 1 for a state), first span position,
+    # and one uint64 checksum per span.
     groups: dict[int, tuple[int, int, int, np.ndarray]]
 
     def to_bytes(self) -> bytes:

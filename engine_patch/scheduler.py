@@ -16,8 +16,11 @@ checked once it finishes against those checksums instead: each worker's
 checksums against the ones it offloaded
 (``KVChecksumWorker.init_block_checksums``).
 
-Loads that mismatch or cannot be verified fail under ``fail_closed``; under
-fail-open they are logged and counted and proceed.
+A load verifies only if every token it loaded was compared (for a
+sliding-window group, every token of the window the request reads);
+otherwise it is unverified, with the uncovered tokens in the detail. Loads
+that mismatch or cannot be verified fail under ``fail_closed`` (the
+default); under fail-open they are logged and counted and proceed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from engine_patch.kv_cache import (
     KVCacheConfig,
     KVCacheGroup,
     MambaSpec,
+    SlidingWindowSpec,
     cdiv,
+    checksum_spans,
     clip_ssm_state_blocks,
     sliding_window_transfer_blocks,
 )
@@ -56,6 +61,7 @@ from engine_patch.payload import (
     KVChecksumPayload,
     decode_base64,
 )
+from engine_patch.records import checksums_problem, record_problem, requests_named
 from engine_patch.stats import KVChecksumStats
 from engine_patch.types import (
     KVChecksumBlocks,
@@ -87,10 +93,18 @@ class UnverifiedReason(enum.StrEnum):
     MISSING_REPLICA = "a replica was not checksummed"
     MAMBA_TP = "Mamba state without TP splits differs between TP sizes"
     ONE_SIDE = "a group is checksummed by one side only"
-    OTHER_LAYERS = "a group holds other layers or dtype on the producer"
+    # The fingerprints differ: other layers, KV heads, head size or dtype.
+    OTHER_LAYERS = (
+        "the producer's model differs (a group's layers, KV heads, head size or dtype)"
+    )
     BLOCK_SIZES = "block sizes are not multiples of each other"
     START_INSIDE = "the first loaded block starts inside a producer block"
     NO_COMMON_BLOCK = "a group has no block in common"
+    UNCOVERED = "some loaded tokens have no producer checksum to compare"
+    GAP = "a group's loaded blocks are not consecutive"
+    MALFORMED = "a worker's checksums are malformed"
+    # A bug of the scheduler's own: it cannot compare what it was given.
+    INTERNAL = "the checksums could not be compared (internal error)"
     NOTHING_CHECKSUMMED = "no loaded group can be checksummed"
     # Loads of offloaded KV only.
     NO_STORED = "a worker has no offloaded checksums of a loaded block"
@@ -129,7 +143,10 @@ class _Comparison(NamedTuple):
             )
             why = f"does not match the producer's checksums ({where})"
         else:
-            reasons = dict.fromkeys(str(e.reason) for e in self.unverified)
+            reasons = dict.fromkeys(
+                f"{e.reason} ({e.detail})" if e.detail else str(e.reason)
+                for e in self.unverified
+            )
             why = f"could not be verified: {'; '.join(reasons)}"
         return f"{KV_CHECKSUM_FAILURE_TEXT}: the KV loaded for request {req_id} {why}"
 
@@ -139,6 +156,12 @@ class _Pending:
     """A request whose checksums are being collected from the workers."""
 
     blocks: KVChecksumBlocks
+    # A load's first loaded token (after the consumer's cached prefix): the
+    # tokens from there on must all be compared.
+    first_token: int = 0
+    # Groups whose blocks ``_blocks`` could not take (a null block after a
+    # non-null one): loaded, but not checksummed.
+    gaps: frozenset[int] = frozenset()
     # For a load of offloaded KV, its request: the load is checked against the
     # checksums offloaded with the KV (``KVChecksumGroup.stored``), not a
     # producer's.
@@ -147,28 +170,35 @@ class _Pending:
     expected: KVChecksumPayload | None = None
     # Why ``expected`` is None.
     missing_reason: UnverifiedReason = UnverifiedReason.NO_CHECKSUMS
+    # Why a worker's report of the request is malformed, if one is.
+    malformed: str | None = None
     # Per (pp_rank, tp_rank): its checksums of the request per group, and its
     # record.
     reports: dict[
         tuple[int, int], tuple[dict[int, KVChecksumGroup], KVChecksumRecord]
     ] = field(default_factory=dict)
 
-    def set_expected(self, req_id: str, data: bytes) -> None:
-        """Take the producer's payload; a malformed one leaves the load
-        unverified."""
+    def set_expected(self, req_id: str, data: object) -> None:
+        """Take the producer's payload; a malformed one (or not bytes) leaves
+        the load unverified."""
         try:
+            if not isinstance(data, bytes):
+                raise ValueError(f"a {type(data).__name__}, not bytes")
             self.expected = KVChecksumPayload.from_bytes(data)
         except ValueError as e:
             self.missing_reason = UnverifiedReason.INVALID_CHECKSUMS
             logger.debug("Invalid KV checksums for request %s: %s", req_id, e)
 
     def check_complete(self, num_workers: int) -> None:
-        """Check that every worker reported the request.
+        """Check that every worker reported the request, in well-formed
+        records (their ranks are checked to be in range as they come).
 
         Raises:
             _Unverified: If not.
 
         """
+        if self.malformed is not None:
+            raise _Unverified(UnverifiedReason.MALFORMED, self.malformed)
         if len(self.reports) < num_workers:
             raise _Unverified(
                 UnverifiedReason.INCOMPLETE,
@@ -181,13 +211,26 @@ class _Pending:
 
     def fingerprint(self, group_id: int) -> int:
         """The group's fingerprint for the whole model: one TP rank's per PP
-        stage, summed."""
-        stages = {pp_rank: record for (pp_rank, _), (_, record) in self.reports.items()}
-        total = sum(record.fingerprints.get(group_id, 0) for record in stages.values())
-        return total % 2**64
+        stage (all of a stage's ranks hold the same layers), summed.
 
-    def group_checksums(self, group_id: int) -> list[KVChecksumGroup]:
-        """Every worker's checksums of the group's scheduled blocks.
+        Raises:
+            _Unverified: If the TP ranks of a stage disagree.
+
+        """
+        stages: dict[int, int] = {}
+        for (pp_rank, tp_rank), (_, record) in self.reports.items():
+            fingerprint = record.fingerprints.get(group_id, 0)
+            if stages.setdefault(pp_rank, fingerprint) != fingerprint:
+                raise _Unverified(
+                    UnverifiedReason.MALFORMED,
+                    f"group {group_id}: the fingerprint of worker "
+                    f"{(pp_rank, tp_rank)} differs from its stage's",
+                )
+        return sum(stages.values()) % 2**64
+
+    def group_checksums(self, group_id: int, per_block: int) -> list[KVChecksumGroup]:
+        """Every worker's checksums of the group's scheduled blocks, at
+        ``per_block`` spans per block (``checksum_spans``).
 
         Raises:
             _Unverified: If a worker checksummed other blocks, e.g. those of
@@ -195,14 +238,25 @@ class _Pending:
 
         """
         start, block_ids = self.blocks.groups[group_id]
-        groups = [
-            group
-            for checksums, _ in self.reports.values()
-            if (group := checksums.get(group_id)) is not None
-        ]
+        groups = []
+        for worker, (checksums, record) in self.reports.items():
+            group = checksums.get(group_id)
+            # A worker checksums the groups it holds layers of and can.
+            holds = (
+                group_id in record.fingerprints
+                and group_id not in record.skipped_groups
+            )
+            if holds != (group is not None):
+                raise _Unverified(
+                    UnverifiedReason.INCOMPLETE,
+                    f"group {group_id}: worker {worker} "
+                    + ("left it out" if holds else "has no layers of it"),
+                )
+            if group is not None:
+                groups.append(group)
         for group in groups:
-            if group.start != start or group.values.shape != (
-                len(block_ids),
+            if group.start != start * per_block or group.values.shape != (
+                len(block_ids) * per_block,
                 len(group.replica_keys),
             ):
                 raise _Unverified(UnverifiedReason.OTHER_BLOCKS, f"group {group_id}")
@@ -228,11 +282,17 @@ class KVChecksumScheduler:
     ) -> None:
         self._connector = connector
         self._tp_size = config.tp_size
+        self._pp_size = config.pp_size
         self._num_workers = config.tp_size * config.pp_size
         self._fail_closed = config.fail_closed
         self._groups: dict[int, KVCacheGroup] = {
             group_id: kv_cache_config.kv_cache_groups[group_id]
             for group_id in kv_cache_config.transfer_group_ids
+        }
+        # Per group: tokens per checksum value and values per block.
+        self._spans = {
+            group_id: checksum_spans(group.kv_cache_spec)
+            for group_id, group in self._groups.items()
         }
         self._hash_block_size = kv_cache_config.hash_block_size
         self._sends: dict[str, _Pending] = {}
@@ -241,6 +301,7 @@ class KVChecksumScheduler:
         self._remote_prefills: set[str] = set()
         self._to_send: dict[str, bytes] = {}
         self._failures: dict[str, str] = {}
+        self._mismatched: dict[str, dict[int, list[int]]] = {}
         self._scheduled = KVChecksumScheduled()
         self.stats = KVChecksumStats()
 
@@ -299,7 +360,7 @@ class KVChecksumScheduler:
         if not params or not params.get("do_remote_decode"):
             return
         blocks = kv_cache_manager.get_blocks(request.request_id)
-        checksum_blocks = self._blocks(blocks, 0, num_tokens)
+        checksum_blocks, _ = self._blocks(blocks, 0, num_tokens)
         # A new prefill (after a preemption) replaces an earlier one.
         self._sends[request.request_id] = _Pending(checksum_blocks)
         self._scheduled.reqs_to_send[request.request_id] = checksum_blocks
@@ -333,18 +394,23 @@ class KVChecksumScheduler:
         )
         if not remote_prefill:
             if sources and sources <= self._connector.get_kv_checksum_sources(request):
-                checksum_blocks = self._blocks(
+                checksum_blocks, gaps = self._blocks(
                     blocks, num_local_computed_tokens, request.num_computed_tokens
                 )
-                self._recvs[req_id] = _Pending(checksum_blocks, offload_request=request)
+                self._recvs[req_id] = _Pending(
+                    checksum_blocks,
+                    num_local_computed_tokens,
+                    gaps,
+                    offload_request=request,
+                )
                 self._scheduled.reqs_to_load[req_id] = checksum_blocks
             return
         if sources != {CacheHitSource.P2P}:
             return
-        checksum_blocks = self._blocks(
+        checksum_blocks, gaps = self._blocks(
             blocks, num_local_computed_tokens, request.num_computed_tokens
         )
-        pending = _Pending(checksum_blocks)
+        pending = _Pending(checksum_blocks, num_local_computed_tokens, gaps)
         params = request.kv_transfer_params or {}
         if (encoded := params.get(KV_TRANSFER_PARAMS_KEY)) is not None:
             # Not base64 text: b"", not a payload either.
@@ -385,25 +451,26 @@ class KVChecksumScheduler:
         if kv_connector_output is None:
             return set()
         for record in kv_connector_output.kv_checksums or ():
-            worker = (record.pp_rank, record.tp_rank)
-            for req_id, groups in record.checksums.items():
-                pending = self._sends.get(req_id) or self._recvs.get(req_id)
-                if pending is not None:
-                    pending.reports[worker] = (groups, record)
-            for req_id, data in record.received.items():
-                pending = self._recvs.get(req_id)
-                if pending is not None and pending.expected is None:
-                    pending.set_expected(req_id, data)
+            self._take_record(record)
 
         failed: set[str] = set()
         for req_id in kv_connector_output.finished_recving or ():
             pending = self._recvs.pop(req_id, None)
             if pending is None or req_id in skip_req_ids:
                 continue
-            outcome = self._verify(req_id, pending)
+            try:
+                outcome = self._verify(req_id, pending)
+            except Exception:
+                # Never out of the engine's scheduler: what cannot be
+                # compared is unverified.
+                logger.exception("KV checksums of request %s not compared.", req_id)
+                self.stats.unverified[UnverifiedReason.INTERNAL] += 1
+                outcome = _Comparison({}, [_Unverified(UnverifiedReason.INTERNAL)], 0)
             if outcome is None:
                 continue
             mismatches = outcome.mismatches
+            if mismatches:
+                self._mismatched[req_id] = mismatches
             if pending.offload_request is not None and (
                 mismatches or self._fail_closed
             ):
@@ -414,6 +481,51 @@ class KVChecksumScheduler:
                 failed.add(req_id)
                 self._failures[req_id] = outcome.failure_message(req_id)
         return failed
+
+    def take_mismatched_loads(self) -> dict[str, dict[int, list[int]]]:
+        """Every load that mismatched since the last call, under
+        fail-closed and fail-open alike: request id -> its mismatching block
+        positions per group.
+
+        The host must never let another request reuse such a load's KV:
+        none of the request's blocks from its first loaded one on (nor those
+        it computes later, which derive from them) may enter its prefix
+        cache. Under fail-open the request itself goes on with the KV it
+        loaded (its answer may be wrong: that is what fail-open accepts);
+        under fail-closed it is also among :meth:`update_from_output`'s
+        failed loads. Unverified loads are not named: nothing says their KV
+        is bad.
+        """
+        mismatched, self._mismatched = self._mismatched, {}
+        return mismatched
+
+    def _take_record(self, record: object) -> None:
+        """File a worker's report under the requests it has checksums of; a
+        malformed one leaves them unverified (or unsent)."""
+        problem = record_problem(record, tp_size=self._tp_size, pp_size=self._pp_size)
+        if problem is not None:
+            for req_id in requests_named(record):
+                if (pending := self._pending(req_id)) is not None:
+                    pending.malformed = problem
+            warning_once(logger, "Malformed KV checksum record: %s.", problem)
+            return
+        assert isinstance(record, KVChecksumRecord)
+        worker = (record.pp_rank, record.tp_rank)
+        for req_id, groups in record.checksums.items():
+            if (pending := self._pending(req_id)) is None:
+                continue
+            problem = checksums_problem(groups, tp_size=self._tp_size)
+            if problem is not None:
+                pending.malformed = f"worker {worker}: {problem}"
+                continue
+            pending.reports[worker] = (groups, record)
+        for req_id, data in record.received.items():
+            pending = self._recvs.get(req_id)
+            if pending is not None and pending.expected is None:
+                pending.set_expected(req_id, data)
+
+    def _pending(self, req_id: str) -> _Pending | None:
+        return self._sends.get(req_id) or self._recvs.get(req_id)
 
     def take_load_failures(self) -> dict[str, str]:
         """Why each load failed by :meth:`update_from_output` since the last
@@ -457,19 +569,20 @@ class KVChecksumScheduler:
 
     def _blocks(
         self, blocks: KVCacheBlocks, start_token: int, end_token: int
-    ) -> KVChecksumBlocks:
+    ) -> tuple[KVChecksumBlocks, frozenset[int]]:
         """The blocks of each transfer group holding tokens in
-        ``[start_token, end_token)``.
+        ``[start_token, end_token)``, and the groups left out for a gap.
 
         Leading null blocks (out of a sliding window) are left out, as is a
-        group with a null block after a non-null one. Sliding-window groups
-        keep only the blocks P/D connectors transfer
+        group with a null block after a non-null one (a gap). Sliding-window
+        groups keep only the blocks P/D connectors transfer
         (``sliding_window_transfer_blocks``).
 
         A Mamba group's state is not per token: its block is the request's
         running-state slot, the one connectors transfer, at position 0.
         """
         groups: dict[int, tuple[int, list[int]]] = {}
+        gaps: set[int] = set()
         for group_id, group in self._groups.items():
             spec = group.kv_cache_spec
             if isinstance(spec, MambaSpec):
@@ -484,9 +597,13 @@ class KVChecksumScheduler:
                 continue
             block_size = spec.block_size
             first = start_token // block_size
-            run = _non_null_run(
-                blocks.blocks[group_id], first, cdiv(end_token, block_size)
-            )
+            try:
+                run = _non_null_run(
+                    blocks.blocks[group_id], first, cdiv(end_token, block_size)
+                )
+            except ValueError:
+                gaps.add(group_id)
+                continue
             if run is None:
                 continue
             start, block_ids = run
@@ -494,7 +611,7 @@ class KVChecksumScheduler:
                 start += max(0, len(block_ids) - keep)
                 block_ids = block_ids[-keep:]
             groups[group_id] = (start, block_ids)
-        return KVChecksumBlocks(num_tokens=end_token, groups=groups)
+        return KVChecksumBlocks(num_tokens=end_token, groups=groups), frozenset(gaps)
 
     def _payload(self, req_id: str, pending: _Pending) -> KVChecksumPayload | None:
         """The sum of every worker's checksums, or None if some are missing."""
@@ -505,23 +622,30 @@ class KVChecksumScheduler:
             for group_id, (start, block_ids) in pending.blocks.groups.items():
                 if group_id in skipped:
                     continue
-                checksums = pending.group_checksums(group_id)
+                span, per_block = self._spans[group_id]
+                checksums = pending.group_checksums(group_id, per_block)
                 if not checksums:
                     # No worker checksums it, e.g. it holds only drafter layers.
                     continue
-                values = np.zeros(len(block_ids), dtype=np.uint64)
+                values = np.zeros(len(block_ids) * per_block, dtype=np.uint64)
                 for group in checksums:
                     values += group.values.sum(axis=1, dtype=np.uint64)
+                # The payload's unit is the span: its "block size" and start.
                 groups[group_id] = (
                     pending.fingerprint(group_id),
-                    self._groups[group_id].kv_cache_spec.block_size,
-                    start,
+                    span,
+                    start * per_block,
                     values,
                 )
         except _Unverified as e:
             self.stats.not_sent[e.reason] += 1
             warning_once(logger, "KV checksums not sent: %s.", e.reason)
             logger.debug("KV checksums of request %s not sent: %s", req_id, e.detail)
+            return None
+        except Exception:
+            # Never out of the engine's scheduler: the consumer finds none.
+            logger.exception("KV checksums of request %s not sent.", req_id)
+            self.stats.not_sent[UnverifiedReason.INTERNAL] += 1
             return None
         return KVChecksumPayload(self._tp_size, pending.blocks.num_tokens, groups)
 
@@ -578,6 +702,8 @@ class KVChecksumScheduler:
         unverified: list[_Unverified] = []
         skipped = pending.skipped_groups()
         num_compared = 0
+        for group_id in sorted(pending.gaps):
+            unverified.append(_Unverified(UnverifiedReason.GAP, f"group {group_id}"))
         for group_id in pending.blocks.groups:
             try:
                 if pending.offload_request is not None:
@@ -611,8 +737,10 @@ class KVChecksumScheduler:
         """The group's mismatching block positions, or None if the group is
         not compared (neither side checksums it).
 
-        With different block sizes, sums of the smaller blocks are compared
-        with the larger ones.
+        Compared per span (``checksum_spans``); with different spans, sums of
+        the smaller ones are compared with the larger ones. Without a
+        mismatch, the group verifies only if every token the load must
+        provide was compared (:meth:`_check_covered`).
 
         Raises:
             _Unverified: If the group cannot be compared.
@@ -632,9 +760,10 @@ class KVChecksumScheduler:
                 f"group {group_id}: producer TP {expected.tp_size}, "
                 f"consumer TP {self._tp_size}",
             )
+        span, per_block = self._spans[group_id]
         sent = expected.groups.get(group_id)
         # No worker checksums a group of only drafter layers, as if skipped.
-        unchecked = skipped or not pending.group_checksums(group_id)
+        unchecked = skipped or not pending.group_checksums(group_id, per_block)
         if unchecked or sent is None:
             if unchecked != (sent is None):
                 raise _Unverified(
@@ -643,34 +772,31 @@ class KVChecksumScheduler:
                     f"{'producer' if unchecked else 'consumer'} only",
                 )
             return None
-        fingerprint, sent_block_size, sent_start, sent_values = sent
+        # The payload's "block size" and start are in spans.
+        fingerprint, sent_span, sent_start, sent_values = sent
         if fingerprint != pending.fingerprint(group_id):
             raise _Unverified(UnverifiedReason.OTHER_LAYERS, f"group {group_id}")
         start, block_ids = pending.blocks.groups[group_id]
         if isinstance(spec, MambaSpec):
-            # One state per block, not per token.
-            block_size = sent_block_size = 1
-        else:
-            block_size = spec.block_size
-        chunk_size = max(block_size, sent_block_size)
-        if chunk_size % min(block_size, sent_block_size):
+            # One state, not tokens: whatever a producer calls its span.
+            sent_span = 1
+        chunk_size = max(span, sent_span)
+        if chunk_size % min(span, sent_span):
             raise _Unverified(
                 UnverifiedReason.BLOCK_SIZES,
-                f"group {group_id}: {sent_block_size} on the producer, "
-                f"{block_size} on the consumer",
+                f"group {group_id}: checksums of {sent_span} tokens on the "
+                f"producer, {span} on the consumer",
             )
-        blocks_per_chunk = chunk_size // block_size
-        if start % blocks_per_chunk:
-            # Its producer block also holds tokens the consumer did not load.
-            raise _Unverified(UnverifiedReason.START_INSIDE, f"group {group_id}")
+        spans_per_chunk = chunk_size // span
         num_tokens = pending.blocks.num_tokens
         sent_first, sent_sums = _chunk_sums(
-            sent_values, sent_start, sent_block_size, chunk_size, expected.num_tokens
+            sent_values, sent_start, sent_span, chunk_size, expected.num_tokens
         )
         checks = [
-            _chunk_sums(values, start, block_size, chunk_size, num_tokens)
+            _chunk_sums(values, start * per_block, span, chunk_size, num_tokens)
             for values in _sum_replicas(
-                pending.group_checksums(group_id), len(block_ids)
+                pending.group_checksums(group_id, per_block),
+                len(block_ids) * per_block,
             )
         ]
         first, num_chunks = checks[0][0], len(checks[0][1])
@@ -682,20 +808,74 @@ class KVChecksumScheduler:
             num_tokens,
             expected.num_tokens,
         )
-        if not len(chunks):
-            raise _Unverified(UnverifiedReason.NO_COMMON_BLOCK, f"group {group_id}")
         bad = np.zeros(len(chunks), dtype=bool)
         for _, sums in checks:
             bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
+        if not bad.any():
+            self._check_covered(pending, group_id, chunks, chunk_size)
         end = start + len(block_ids)
-        return [
-            pos
-            for chunk in chunks[bad].tolist()
-            for pos in range(
-                max(start, chunk * blocks_per_chunk),
-                min(end, (chunk + 1) * blocks_per_chunk),
-            )
-        ]
+        # The consumer's blocks holding a bad chunk's spans.
+        return sorted(
+            {
+                pos
+                for chunk in chunks[bad].tolist()
+                for pos in range(
+                    max(start, chunk * spans_per_chunk // per_block),
+                    min(end, cdiv((chunk + 1) * spans_per_chunk, per_block)),
+                )
+            }
+        )
+
+    def _check_covered(
+        self, pending: _Pending, group_id: int, chunks: np.ndarray, chunk_size: int
+    ) -> None:
+        """Check that the compared ``chunks`` (ascending, of ``chunk_size``
+        tokens) cover every token of the group the load must provide: those
+        from its first loaded token; for a sliding-window group only the
+        window the request reads from (the consumer's first kept block can
+        start before what its producer kept, and the transfer writes no KV
+        there); for a state group the state.
+
+        Raises:
+            _Unverified: If some are not compared, naming them.
+
+        """
+        spec = self._groups[group_id].kv_cache_spec
+        num_tokens = pending.blocks.num_tokens
+        if isinstance(spec, MambaSpec):
+            lo_token, hi_token, lo, hi = 0, 1, 0, 1
+        else:
+            lo_token = pending.first_token
+            if isinstance(spec, SlidingWindowSpec):
+                # The last loaded token, if computed again, reads this far back.
+                lo_token = max(lo_token, num_tokens - spec.sliding_window)
+            hi_token = num_tokens
+            lo, hi = lo_token // chunk_size, cdiv(hi_token, chunk_size)
+        if lo >= hi:
+            return
+        # ``chunks`` is ascending without repeats: all of [lo, hi) are in it
+        # iff that many of it are.
+        within = np.searchsorted(chunks, [lo, hi])
+        if within[1] - within[0] == hi - lo:
+            return
+        if isinstance(spec, MambaSpec):
+            where = "the state"
+        else:
+            missing = np.setdiff1d(np.arange(lo, hi), chunks, assume_unique=True)
+            where = "tokens " + _token_ranges(missing, chunk_size, lo_token, hi_token)
+            where += f" of the loaded [{lo_token}, {hi_token})"
+        if (
+            not isinstance(spec, MambaSpec)
+            and not (len(chunks) and chunks[0] == lo)
+            and pending.blocks.groups[group_id][0] * spec.block_size > lo * chunk_size
+        ):
+            # The consumer's first block starts inside the first chunk.
+            reason = UnverifiedReason.START_INSIDE
+        elif not len(chunks):
+            reason = UnverifiedReason.NO_COMMON_BLOCK
+        else:
+            reason = UnverifiedReason.UNCOVERED
+        raise _Unverified(reason, f"group {group_id}: {where}")
 
     def _compare_stored(self, pending: _Pending, group_id: int) -> list[int] | None:
         """The mismatching block positions in a group of a load of offloaded
@@ -709,7 +889,8 @@ class KVChecksumScheduler:
                 or a compared block has no stored value or block hash.
 
         """
-        if not pending.group_checksums(group_id):
+        _, per_block = self._spans[group_id]
+        if not pending.group_checksums(group_id, per_block):
             return None
         assert pending.offload_request is not None
         block_size = self._groups[group_id].kv_cache_spec.block_size
@@ -741,7 +922,12 @@ class KVChecksumScheduler:
                     f"group {group_id} on worker {record.pp_rank, record.tp_rank}",
                 )
             tags = block_checksum_tags(block_hashes, fingerprint)
-            sums = group.values.sum(axis=1, dtype=np.uint64)
+            # Stored values are per block: the sums of its spans.
+            sums = (
+                group.values.sum(axis=1, dtype=np.uint64)
+                .reshape(len(block_ids), per_block)
+                .sum(axis=1, dtype=np.uint64)
+            )
             bad.update((np.flatnonzero(sums ^ tags != group.stored) + start).tolist())
         return sorted(bad)
 
@@ -799,6 +985,22 @@ def _chunk_sums(
     return first, sums
 
 
+def _token_ranges(
+    chunks: np.ndarray, chunk_size: int, lo_token: int, hi_token: int
+) -> str:
+    """The tokens of ascending ``chunks`` within ``[lo_token, hi_token)``, as
+    ranges: ``"[32, 48), [64, 70)"``."""
+    ranges: list[list[int]] = []
+    for chunk in chunks.tolist():
+        begin = max(lo_token, chunk * chunk_size)
+        end = min(hi_token, (chunk + 1) * chunk_size)
+        if ranges and ranges[-1][1] == begin:
+            ranges[-1][1] = end
+        else:
+            ranges.append([begin, end])
+    return ", ".join(f"[{begin}, {end})" for begin, end in ranges)
+
+
 def _common_chunks(
     chunks: tuple[int, int],
     sent_chunks: tuple[int, int],
@@ -830,14 +1032,19 @@ def _non_null_run(
     blocks: Sequence[Block], first: int, end: int
 ) -> tuple[int, list[int]] | None:
     """The position and ids of the non-null blocks in ``blocks[first:end]``,
-    if they are consecutive and any."""
+    if any.
+
+    Raises:
+        ValueError: If a null block follows a non-null one.
+
+    """
     block_ids: list[int] = []
     offset = 0
     for block in blocks[first:end]:
         if not block.is_null:
             block_ids.append(block.block_id)
         elif block_ids:
-            return None  # A null block after a non-null one.
+            raise ValueError("a null block after a non-null one")
         else:
             offset += 1
     return (first + offset, block_ids) if block_ids else None

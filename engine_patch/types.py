@@ -61,13 +61,14 @@ class KVChecksumGroup:
     one (block position ``p`` of ``KVChecksumBlocks`` then gives spans
     ``p * k`` to ``p * k + k - 1``, ``k = block_size // 16``), or for state
     groups the one running state at span 0.
-    ``stored`` (loads of offloaded KV only) holds, per block, the value the
-    worker offloaded with it (``KVChecksumWorker.init_block_checksums``).
+    ``stored`` (loads of offloaded KV only) holds, per block (not span), the
+    value the worker offloaded with it: the sum of the block's spans and
+    replica columns, tagged (``KVChecksumWorker.init_block_checksums``).
     """
 
     start: int
     replica_keys: list[ReplicaKey]
-    values: np.ndarray  # uint64 [num_blocks, len(replica_keys)]
+    values: np.ndarray  # uint64 [num_spans, len(replica_keys)]
     stored: np.ndarray | None = None  # uint64 [num_blocks]
 
 

@@ -83,6 +83,10 @@ class KVLayer:
     holds when TP exceeds the KV heads (GQA) or the layer is replicated
     (MLA: one latent "head", ``replicas = tp_size``). Layers whose ``kv`` is
     the same tensor (shared KV cache) are counted once.
+    ``total_num_kv_heads`` is the model's KV head count across all TP ranks
+    (vLLM's ``model_config.get_total_num_kv_heads()``), part of the layer's
+    fingerprint: sums of models with other head counts are not compared.
+    Hosts fill it; None leaves it unknown.
     """
 
     name: str
@@ -94,6 +98,7 @@ class KVLayer:
     head_offset: int = 0
     replicas: int = 1
     replica_index: int = 0
+    total_num_kv_heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -892,6 +897,7 @@ class KVChecksumWorker:
                     layer.spec_type,
                     str(layer.kv.dtype).removeprefix("torch."),
                     shape.cell_bytes,
+                    total_num_kv_heads=layer.total_num_kv_heads,
                 )
                 for layer, shape in zip(unique, shapes, strict=True)
             ) % (1 << 64)

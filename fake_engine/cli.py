@@ -58,11 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--max-num-batched-tokens", type=int, default=8192)
     checks = parser.add_argument_group("KV checksums")
     checks.add_argument("--kv-checksums", type=_on_off, default=True, metavar="on|off")
-    checks.add_argument(
+    fail_mode = checks.add_mutually_exclusive_group()
+    fail_mode.add_argument(
+        "--fail-open",
+        dest="fail_closed",
+        action="store_false",
+        default=True,
+        help="opt-in for rollouts: log and count loads that mismatch or cannot "
+        "be verified and use them (default: fail them)",
+    )
+    fail_mode.add_argument(
         "--fail-closed",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="fail loads that mismatch or cannot be verified (default: log and go on)",
+        dest="fail_closed",
+        action="store_true",
+        help="fail loads that mismatch or cannot be verified (the default)",
     )
     checks.add_argument(
         "--kv-load-failure-policy",

@@ -112,7 +112,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # KV checksums (engine_patch).
     kv_checksums: bool = True
-    fail_closed: bool = False
+    fail_closed: bool = True
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
     # Seconds a producer holds KV for its consumer (vLLM's kv_lease_duration).
     lease_s: float = 30.0

@@ -32,6 +32,7 @@ class TPWorker:
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         self.rank = rank
+        self.total_num_kv_heads = config.kv_heads
         self.replicas = config.head_replicas
         self.replica_index = rank % self.replicas
         heads_per_rank = config.heads_per_rank
@@ -73,6 +74,7 @@ class TPWorker:
                 head_offset=self.head_offset,
                 replicas=self.replicas,
                 replica_index=self.replica_index,
+                total_num_kv_heads=self.total_num_kv_heads,
             )
             for index in range(self.kv.shape[0])
         ]

@@ -51,14 +51,15 @@ class _Settings(BaseModel):
 class ChecksumSettings(_Settings):
     """``kv_checksums``: whether and how loads are verified.
 
-    ``fail_closed``: a mismatched or unverified load fails, and vLLM's
-    ``kv_load_failure_policy`` decides what happens to its request;
-    fail-open counts and logs it and lets the request decode.
+    ``fail_closed`` (the default): a mismatched or unverified load fails, and
+    vLLM's ``kv_load_failure_policy`` decides what happens to its request;
+    fail-open (``false``, an explicit opt-in for rollouts) counts and logs it
+    and lets the request decode.
     ``compile``: fuse the worker's checksum with ``torch.compile``.
     """
 
     enabled: bool = True
-    fail_closed: bool = False
+    fail_closed: bool = True
     compile: bool = False
 
 

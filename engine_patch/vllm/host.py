@@ -207,6 +207,7 @@ def kv_layers(
     """
     from vllm.model_executor.models.utils import extract_layer_index
 
+    total_num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     layers: list[KVLayer] = []
     for group_id in sorted(covered_groups):
         group = kv_cache_config.kv_cache_groups[group_id]
@@ -236,6 +237,7 @@ def kv_layers(
                     head_offset=head_offset,
                     replicas=replicas,
                     replica_index=replica_index,
+                    total_num_kv_heads=total_num_kv_heads,
                 )
             )
     return layers

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from engine_patch.host import CacheHitSource, FinishReason
+from engine_patch.kv_cache import KVCacheConfig, checksum_spans
 from engine_patch.types import (
     KVChecksumBlocks,
     KVChecksumGroup,
@@ -205,16 +206,17 @@ class FakeWorkers:
 def scheduled_values(
     blocks: KVChecksumBlocks,
     tokens: Mapping[int, np.ndarray],
-    block_sizes: Mapping[int, int],
+    config: KVCacheConfig,
 ) -> dict[int, tuple[int, np.ndarray]]:
-    """Per scheduled group, its start and its blocks' checksums of
-    ``tokens``."""
-    return {
-        g: (
-            start,
-            block_sums(
-                tokens[g], block_sizes[g], start, len(block_ids), blocks.num_tokens
-            ),
+    """Per scheduled group, what a worker reports of ``tokens``: its first
+    span and one checksum per span of its blocks (``checksum_spans``: a
+    block, 16 tokens of a sliding-window block, or a state)."""
+    values = {}
+    for g, (start, block_ids) in blocks.groups.items():
+        span, per_block = checksum_spans(config.kv_cache_groups[g].kv_cache_spec)
+        first, count = start * per_block, len(block_ids) * per_block
+        values[g] = (
+            first,
+            block_sums(tokens[g], span, first, count, blocks.num_tokens),
         )
-        for g, (start, block_ids) in blocks.groups.items()
-    }
+    return values

@@ -126,6 +126,7 @@ class SimEngine:
         layout: KVLayout = KVLayout.SPLIT,
         fail_closed: bool = True,
         connector: FakeConnector | None = None,
+        prefix_caching: bool = False,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -154,6 +155,14 @@ class SimEngine:
         self.rng = np.random.default_rng(seed)
         # Block 0 is the null block; free ids per group.
         self._free = [list(range(1, num_blocks)) for _ in model.groups]
+        # Prefix caching, like vLLM's: the full blocks of finished loads by
+        # (prompt, block position), a block id per group, reused by later
+        # requests with the prompt; cached blocks are never freed.
+        assert not prefix_caching or all(
+            group.sliding_window is None for group in model.groups
+        ), "prefix caching of full-attention groups only"
+        self.prefix_caching = prefix_caching
+        self.cached: dict[tuple[str, int], list[int]] = {}
         self.caches: dict[Worker, list[_Cache]] = {}
         self.workers: dict[Worker, KVChecksumWorker] = {}
         for pp_rank, tp_rank in itertools.product(range(pp), range(tp)):
@@ -210,6 +219,7 @@ class SimEngine:
                     head_offset=head_offset,
                     replicas=replicas,
                     replica_index=replica_index,
+                    total_num_kv_heads=heads,
                 )
                 caches.append(
                     _Cache(layer, g, slot, slice(head_offset, head_offset + local))
@@ -218,8 +228,11 @@ class SimEngine:
 
     # --- Blocks and KV ----------------------------------------------------------
 
-    def allocate(self, req_id: str, num_tokens: int) -> FakeBlocks:
-        """Random free block ids for the request; a sliding-window group's
+    def allocate(
+        self, req_id: str, num_tokens: int, cached: Sequence[list[int]] = ()
+    ) -> FakeBlocks:
+        """Random free block ids for the request after its ``cached``
+        prefix's blocks (a block id per group each); a sliding-window group's
         blocks out of its window are null."""
         count = cdiv(num_tokens, self.block_size)
         groups = []
@@ -227,19 +240,45 @@ class SimEngine:
             keep = sliding_window_transfer_blocks(group.kv_cache_spec) or count
             num_null = max(0, count - keep)
             free = self._free[g]
-            picked = self.rng.choice(len(free), count - num_null, replace=False)
+            prefix = [ids[g] for ids in cached]
+            picked = self.rng.choice(
+                len(free), count - num_null - len(prefix), replace=False
+            )
             ids = [free[i] for i in picked]
             taken = set(picked.tolist())
             self._free[g] = [b for i, b in enumerate(free) if i not in taken]
-            groups.append([None] * num_null + ids)
+            groups.append([None] * num_null + prefix + ids)
         blocks = FakeBlocks.of(*groups)
         self.manager.by_request[req_id] = blocks
         return blocks
 
     def free(self, req_id: str) -> None:
         blocks = self.manager.by_request.pop(req_id)
+        cached = [set(ids) for ids in zip(*self.cached.values(), strict=True)]
         for g, group in enumerate(blocks.blocks):
-            self._free[g].extend(b.block_id for b in group if not b.is_null)
+            self._free[g].extend(
+                b.block_id
+                for b in group
+                if not b.is_null and not (cached and b.block_id in cached[g])
+            )
+
+    def cache_hit(self, prompt: str, num_tokens: int) -> list[list[int]]:
+        """The cached blocks of the prompt's longest cached prefix of whole
+        blocks, leaving a token to compute (as vLLM does)."""
+        hit: list[list[int]] = []
+        while len(hit) < (num_tokens - 1) // self.block_size and (
+            ids := self.cached.get((prompt, len(hit)))
+        ):
+            hit.append(ids)
+        return hit
+
+    def cache(self, prompt: str, blocks: FakeBlocks, num_tokens: int) -> None:
+        """Cache the request's whole blocks as the prompt's."""
+        for position in range(num_tokens // self.block_size):
+            self.cached.setdefault(
+                (prompt, position),
+                [group[position].block_id for group in blocks.blocks],
+            )
 
     def _token_slots(
         self, blocks: FakeBlocks, g: int, start: int, end: int
@@ -373,8 +412,14 @@ class Transfer:
     num_tokens: int
     kv: KV
     req_id: str = "req"
+    # The prompt's identity, for the consumer's prefix cache.
+    prompt: str = ""
     producer_blocks: FakeBlocks = field(init=False)
     params: dict[str, object] = field(init=False)
+    # After the load: the tokens the consumer had cached, and the KV its
+    # caches hold for the request (what it decodes from).
+    num_cached_tokens: int = field(init=False, default=0)
+    seen: KV = field(init=False, default_factory=dict)
 
     def prefill(self, reason: FinishReason = FinishReason.STOP) -> dict[str, object]:
         req, self.producer_blocks = self.producer.prefill(
@@ -395,16 +440,26 @@ class Transfer:
         """The consumer loads the request's KV past its ``num_local_tokens``
         cached ones (with ``corrupt`` applied to what is transferred, or
         ``corrupt_cache`` to its caches after the copy) and verifies it: the
-        failed loads."""
+        failed loads.
+
+        With prefix caching the consumer's cache hit is the cached prefix,
+        whatever those blocks hold, and afterwards the load's blocks are
+        cached unless it failed or mismatched
+        (``KVChecksumScheduler.take_mismatched_loads``).
+        """
         consumer = self.consumer
         req = consumer_request(
             self.req_id, self.num_tokens, self.params if params is None else params
         )
         consumer.scheduler.on_new_request(req)
-        blocks = consumer.allocate(self.req_id, self.num_tokens)
-        if num_local_tokens:
+        hit = consumer.cache_hit(self.prompt, self.num_tokens)
+        blocks = consumer.allocate(self.req_id, self.num_tokens, hit)
+        if hit:
+            num_local_tokens = len(hit) * consumer.block_size
+        elif num_local_tokens:
             # The cached prefix holds the same KV, computed locally.
             consumer.write(blocks, self.kv, 0, num_local_tokens)
+        self.num_cached_tokens = num_local_tokens
         req.num_computed_tokens = self.num_tokens
         consumer.scheduler.add_recv(req, blocks, num_local_tokens)
 
@@ -419,6 +474,10 @@ class Transfer:
                 corrupt_cache(consumer, blocks)
 
         failed = consumer.step(finished_loads=[self.req_id], load=copy, ranks=ranks)
+        self.seen = consumer.read(blocks, 0, self.num_tokens)
+        mismatched = consumer.scheduler.take_mismatched_loads()
+        if consumer.prefix_caching and self.req_id not in failed | set(mismatched):
+            consumer.cache(self.prompt, blocks, self.num_tokens)
         consumer.finish(req)
         consumer.free(self.req_id)
         self.producer.free(self.req_id)
@@ -433,9 +492,9 @@ def transfer(
     seed: int = 0,
     req_id: str = "req",
 ) -> Transfer:
-    """A prefilled transfer of random KV."""
+    """A prefilled transfer of random KV (the prompt ``seed``'s)."""
     kv = producer.model.random_kv(seed, num_tokens)
-    t = Transfer(producer, consumer, num_tokens, kv, req_id)
+    t = Transfer(producer, consumer, num_tokens, kv, req_id, prompt=f"seed{seed}")
     t.prefill()
     return t
 

@@ -163,7 +163,6 @@ CONFIG = KVCacheConfig(
         KVCacheGroup(MambaSpec(block_size=64)),
     ]
 )
-BLOCK_SIZES = {0: 16, 1: 32, 2: 1}
 
 
 def load(
@@ -189,7 +188,7 @@ def load(
     rng = np.random.default_rng(num_tokens)
     blocks = scheduled.reqs_to_recv["c"]
     tokens = {g: token_values(rng, max(num_tokens, 1)) for g in range(3)}
-    values = scheduled_values(blocks, tokens, BLOCK_SIZES)
+    values = scheduled_values(blocks, tokens, CONFIG)
     failed = scheduler.update_from_output(
         FakeConnectorOutput(workers.report("c", values), {"c"}), set()
     )

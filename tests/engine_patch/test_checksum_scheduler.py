@@ -5,6 +5,7 @@ mismatched or left unverified."""
 from __future__ import annotations
 
 import base64
+import collections
 import logging
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from engine_patch.kv_cache import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    sliding_window_transfer_blocks,
 )
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
 from engine_patch.scheduler import (
@@ -62,13 +64,6 @@ def kv_config(*specs: KVCacheSpec, hash_block_size: int | None = None) -> KVCach
 
 def full(block_size: int = 16) -> FullAttentionSpec:
     return FullAttentionSpec(block_size)
-
-
-def block_sizes(config: KVCacheConfig) -> dict[int, int]:
-    return {
-        g: group.kv_cache_spec.block_size
-        for g, group in enumerate(config.kv_cache_groups)
-    }
 
 
 def make_scheduler(
@@ -121,7 +116,7 @@ class Producer:
         scheduled = self.scheduler.build_checksum_meta()
         assert scheduled is not None
         values = scheduled_values(
-            scheduled.reqs_to_send[req.request_id], tokens, block_sizes(self.config)
+            scheduled.reqs_to_send[req.request_id], tokens, self.config
         )
         records = self.workers.report(req.request_id, values)
         assert not self.scheduler.update_from_output(
@@ -190,7 +185,7 @@ class Consumer:
         scheduled = self.scheduler.build_checksum_meta()
         assert scheduled is not None
         values = scheduled_values(
-            scheduled.reqs_to_recv[req.request_id], tokens, block_sizes(self.config)
+            scheduled.reqs_to_recv[req.request_id], tokens, self.config
         )
         records = self.workers.report(req.request_id, values, ranks=ranks)
         if received is not None:
@@ -236,6 +231,25 @@ def test_create_needs_a_connector_and_checksums_enabled() -> None:
         KVChecksumScheduler.create(KVChecksumConfig(), config, FakeConnector()),
         KVChecksumScheduler,
     )
+
+
+def test_fail_closed_is_the_default() -> None:
+    # Fail-open is an explicit opt-in (for rollouts): by default an
+    # unverified load fails.
+    assert KVChecksumConfig().fail_closed
+    scheduler = KVChecksumScheduler(
+        KVChecksumConfig(), kv_config(full()), FakeConnector()
+    )
+    assert scheduler.fail_closed
+    req = consumer_request("c", 16)
+    scheduler.on_new_request(req)
+    req.num_computed_tokens = 16
+    scheduler.add_recv(req, FakeBlocks.of([1]), 0)
+    scheduler.build_checksum_meta()
+    records = FakeWorkers().report("c", {0: (0, token_values(RNG, 1))})
+    assert scheduler.update_from_output(FakeConnectorOutput(records, {"c"}), set()) == {
+        "c"
+    }
 
 
 def test_producer_is_checksummed_only_in_the_step_that_finishes_its_prompt() -> None:
@@ -383,7 +397,7 @@ def test_producer_missing_a_workers_report_sends_no_checksums(
     scheduled = scheduler.build_checksum_meta()
     assert scheduled is not None
     values = scheduled_values(
-        scheduled.reqs_to_send["p"], {0: token_values(RNG, 16)}, {0: 16}
+        scheduled.reqs_to_send["p"], {0: token_values(RNG, 16)}, producer.config
     )
     records = producer.workers.report("p", values, ranks=[(0, 1)])
     scheduler.update_from_output(FakeConnectorOutput(records), set())
@@ -428,7 +442,8 @@ def test_a_stale_report_of_other_blocks_leaves_the_send_without_checksums() -> N
 
 def test_producer_skipped_groups_and_groups_no_worker_reports_are_not_sent() -> None:
     config = kv_config(full(), full(), full())
-    workers = FakeWorkers(fingerprints={0: 1, 1: 2, 2: 3}, skipped=frozenset({1}))
+    # Group 2 holds only drafter layers: the workers have none of them.
+    workers = FakeWorkers(fingerprints={0: 1, 1: 2}, skipped=frozenset({1}))
     producer = Producer(config, workers)
     req = producer_request("p", 16)
     producer.manager.by_request["p"] = FakeBlocks.of([1], [2], [3])
@@ -439,9 +454,9 @@ def test_producer_skipped_groups_and_groups_no_worker_reports_are_not_sent() -> 
     values = scheduled_values(
         scheduled.reqs_to_send["p"],
         {g: token_values(RNG, 16) for g in range(3)},
-        {0: 16, 1: 16, 2: 16},
+        config,
     )
-    del values[2]  # Group 2 holds only drafter layers: no worker checksums it.
+    del values[2]
     producer.scheduler.update_from_output(
         FakeConnectorOutput(workers.report("p", values)), set()
     )
@@ -599,6 +614,30 @@ def test_fail_open_logs_and_counts_a_mismatch_but_lets_the_load_proceed(
     assert "fail-open" in caplog.text
 
 
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_mismatched_loads_are_named_for_the_host_to_keep_out_of_its_prefix_cache(
+    fail_closed: bool,
+) -> None:
+    tokens = {0: token_values(RNG, 40)}
+    producer = Producer(kv_config(full()))
+    consumer = Consumer(kv_config(full()), fail_closed=fail_closed)
+    loads = {"bad": {0: corrupt(tokens[0], 20)}, "good": tokens, "unsent": tokens}
+    for req_id, loaded in loads.items():
+        req = producer_request(req_id, 40)
+        producer.prefill(req, FakeBlocks.of([1, 2, 3]), tokens)
+        params = {KV_TRANSFER_PARAMS_KEY: producer.finish(req)}
+        if req_id == "unsent":
+            params = {}
+        consumer.load(
+            consumer_request(req_id, 40, params), FakeBlocks.of([4, 5, 6]), loaded
+        )
+    assert consumer.stats.mismatch == consumer.stats.verified == 1
+    assert consumer.stats.unverified == {R.NO_CHECKSUMS: 1}
+    # In both modes; under fail-open the request itself goes on.
+    assert consumer.scheduler.take_mismatched_loads() == {"bad": {0: [1]}}
+    assert consumer.scheduler.take_mismatched_loads() == {}
+
+
 def test_a_failed_load_says_why_in_its_failure_message() -> None:
     tokens = {0: token_values(RNG, 40)}
     producer = Producer(kv_config(full()))
@@ -628,6 +667,106 @@ def test_fail_open_has_no_load_failures() -> None:
     assert consumer.scheduler.take_load_failures() == {}
 
 
+def load_of_other_length(
+    sent_tokens: int,
+    loaded_tokens: int,
+    *,
+    bad_token: int | None = None,
+    fail_closed: bool = True,
+) -> Consumer:
+    """The producer checksums ``sent_tokens`` tokens, the consumer loads
+    ``loaded_tokens`` (the same KV where both have it)."""
+    tokens = token_values(RNG, max(sent_tokens, loaded_tokens))
+    producer = Producer(kv_config(full()))
+    encoded = producer.send(
+        sent_tokens,
+        FakeBlocks.of(list(range(1, 1 + -(-sent_tokens // 16)))),
+        {0: tokens[:sent_tokens]},
+    )
+    loaded = tokens[:loaded_tokens]
+    if bad_token is not None:
+        loaded = corrupt(loaded, bad_token)
+    consumer = Consumer(kv_config(full()), fail_closed=fail_closed)
+    req = consumer_request("c", loaded_tokens, {KV_TRANSFER_PARAMS_KEY: encoded})
+    consumer.failed = consumer.load(  # type: ignore[attr-defined]
+        req, FakeBlocks.of(list(range(20, 20 + -(-loaded_tokens // 16)))), {0: loaded}
+    )
+    return consumer
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_loaded_tokens_past_the_payload_are_unverified_naming_the_range(
+    fail_closed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Checksums of 40 tokens, a load of 70 corrupted at token 60: block 2
+    # holds 8 tokens on the producer, 16 on the consumer; blocks 3 and 4
+    # have no producer checksum. Tokens 32..69 are not compared.
+    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+        consumer = load_of_other_length(40, 70, bad_token=60, fail_closed=fail_closed)
+    assert consumer.failed == ({"c"} if fail_closed else set())  # type: ignore[attr-defined]
+    assert consumer.stats.verified == consumer.stats.mismatch == 0
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+    assert "group 0: tokens [32, 70) of the loaded [0, 70)" in caplog.text
+    if fail_closed:
+        [message] = consumer.scheduler.take_load_failures().values()
+        assert f"{R.UNCOVERED} (group 0: tokens [32, 70)" in message
+
+
+def test_a_last_block_holding_other_tokens_than_the_producers_is_unverified() -> None:
+    # The producer's block 2 holds tokens 32..40, the consumer's 32..39.
+    consumer = load_of_other_length(41, 40)
+    assert consumer.failed == {"c"}  # type: ignore[attr-defined]
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+
+
+def test_a_load_of_fewer_tokens_within_the_payloads_blocks_verifies() -> None:
+    # Whole blocks on both sides: every loaded token is compared.
+    consumer = load_of_other_length(70, 48)
+    assert consumer.failed == set()  # type: ignore[attr-defined]
+    assert consumer.stats.verified == 1
+
+
+def test_a_sliding_window_the_payload_covers_in_part_is_unverified(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 100 tokens. The producer (window 20) sent its last 2 blocks, tokens
+    # 64..99; the consumer's window of 48 reads tokens 52..99 (52 for a
+    # recomputed last token).
+    tokens = {0: token_values(RNG, 100)}
+    producer_spec = SlidingWindowSpec(16, sliding_window=20)
+    consumer_spec = SlidingWindowSpec(16, sliding_window=48)
+    producer = Producer(kv_config(producer_spec))
+    encoded = producer.send(
+        100, FakeBlocks.of(window_blocks(producer_spec, 100, 1)), tokens
+    )
+    consumer = Consumer(kv_config(consumer_spec))
+    req = consumer_request("c", 100, {KV_TRANSFER_PARAMS_KEY: encoded})
+    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+        failed = consumer.load(
+            req, FakeBlocks.of(window_blocks(consumer_spec, 100, 1)), tokens
+        )
+    assert failed == {"c"}
+    assert consumer.stats.unverified == {R.UNCOVERED: 1}
+    assert "group 0: tokens [52, 64) of the loaded [52, 100)" in caplog.text
+
+
+def test_a_group_whose_loaded_blocks_have_a_gap_is_unverified() -> None:
+    # Group 1's blocks have a null block after a non-null one: they cannot be
+    # checksummed as a run, so its loaded tokens are not compared.
+    config = kv_config(full(), full())
+    consumer, failed = p2p_load(
+        config,
+        config,
+        40,
+        FakeBlocks.of([1, 2, 3], [4, 5, 6]),
+        FakeBlocks.of([7, 8, 9], [10, None, 12]),
+        producer_workers=FakeWorkers(fingerprints={0: 1, 1: 2}),
+        consumer_workers=FakeWorkers(fingerprints={0: 1, 1: 2}),
+    )
+    assert failed == {"req"}
+    assert consumer.stats.unverified == {R.GAP: 1}
+
+
 def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
     num_tokens = 80
     tokens = {0: token_values(RNG, num_tokens)}
@@ -642,7 +781,7 @@ def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
     scheduled = consumer.scheduler.build_checksum_meta()
     assert scheduled is not None
     assert scheduled.reqs_to_recv["c"].groups == {0: (2, [9, 10, 11])}
-    values = scheduled_values(scheduled.reqs_to_recv["c"], loaded, {0: 16})
+    values = scheduled_values(scheduled.reqs_to_recv["c"], loaded, consumer.config)
     failed = consumer.scheduler.update_from_output(
         FakeConnectorOutput(consumer.workers.report("c", values), {"c"}), set()
     )
@@ -841,11 +980,110 @@ def test_a_sliding_window_group_verifies_its_transferred_blocks() -> None:
     assert scheduled is not None
     assert scheduled.reqs_to_recv["c"].groups[1] == (4, [22, 23, 24])
     bad = {0: tokens[0], 1: corrupt(tokens[1], 99)}
-    values = scheduled_values(scheduled.reqs_to_recv["c"], bad, {0: 16, 1: 16})
+    values = scheduled_values(scheduled.reqs_to_recv["c"], bad, config)
     failed = consumer.scheduler.update_from_output(
         FakeConnectorOutput(consumer.workers.report("c", values), {"c"}), set()
     )
     assert failed == {"c"}
+
+
+def window_blocks(spec: SlidingWindowSpec, num_tokens: int, first_id: int) -> list:
+    """A sliding-window group's blocks: null out of the window, then the
+    ones P/D connectors transfer."""
+    count = -(-num_tokens // spec.block_size)
+    keep = min(count, sliding_window_transfer_blocks(spec))
+    return [None] * (count - keep) + list(range(first_id, first_id + keep))
+
+
+def window_load(
+    producer_bs: int,
+    consumer_bs: int,
+    window: int,
+    num_tokens: int,
+    *,
+    bad_token: int | None = None,
+) -> Consumer:
+    """A model with a full-attention and a sliding-window group: the
+    producer sends, the consumer loads (its window's tokens the producer
+    did not keep hold garbage: no transfer writes them) and verifies."""
+    specs = {
+        bs: kv_config(full(bs), SlidingWindowSpec(bs, sliding_window=window))
+        for bs in (producer_bs, consumer_bs)
+    }
+    workers = {0: 1, 1: 2}
+    tokens = {g: token_values(RNG, num_tokens) for g in range(2)}
+
+    def blocks(bs: int, first_id: int) -> FakeBlocks:
+        count = -(-num_tokens // bs)
+        spec = specs[bs].kv_cache_groups[1].kv_cache_spec
+        assert isinstance(spec, SlidingWindowSpec)
+        return FakeBlocks.of(
+            list(range(first_id, first_id + count)),
+            window_blocks(spec, num_tokens, first_id + 100),
+        )
+
+    producer = Producer(specs[producer_bs], FakeWorkers(fingerprints=workers))
+    sent_blocks = blocks(producer_bs, 1)
+    encoded = producer.send(num_tokens, sent_blocks, tokens)
+    # What the transfer writes: the producer's kept window; the rest of the
+    # consumer's kept blocks is garbage.
+    first_kept = next(i for i, b in enumerate(sent_blocks.blocks[1]) if not b.is_null)
+    loaded = {0: tokens[0], 1: token_values(RNG, num_tokens)}
+    kept = slice(first_kept * producer_bs, num_tokens)
+    loaded[1][kept] = tokens[1][kept]
+    if bad_token is not None:
+        loaded[1] = corrupt(loaded[1], bad_token)
+    consumer = Consumer(specs[consumer_bs], FakeWorkers(fingerprints=workers))
+    req = consumer_request("c", num_tokens, {KV_TRANSFER_PARAMS_KEY: encoded})
+    consumer.failed = consumer.load(req, blocks(consumer_bs, 1), loaded)  # type: ignore[attr-defined]
+    return consumer
+
+
+SLIDING_PAIRS = [(32, 16), (16, 32), (64, 16), (16, 64), (32, 64), (64, 32)]
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
+def test_clean_sliding_window_loads_verify_between_block_sizes(
+    producer_bs: int, consumer_bs: int
+) -> None:
+    outcomes = collections.Counter()
+    for window in (17, 20, 33, 48, 100):
+        for num_tokens in range(1, 160, 3):
+            consumer = window_load(producer_bs, consumer_bs, window, num_tokens)
+            stats = consumer.stats
+            outcomes["verified" if stats.verified else str(dict(stats.unverified))] += 1
+    assert outcomes == {"verified": 5 * len(range(1, 160, 3))}
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
+@pytest.mark.parametrize("from_end", [1, 16, 40])
+def test_a_corrupted_token_in_the_window_fails_between_block_sizes(
+    producer_bs: int, consumer_bs: int, from_end: int
+) -> None:
+    # Window 48: the last 48 tokens (and the one before, which a recomputed
+    # last token reads) are compared.
+    consumer = window_load(producer_bs, consumer_bs, 48, 150, bad_token=150 - from_end)
+    assert consumer.failed == {"c"}  # type: ignore[attr-defined]
+    assert consumer.stats.mismatch == 1
+
+
+def test_a_sliding_window_payload_has_one_value_per_16_tokens() -> None:
+    config = kv_config(full(64), SlidingWindowSpec(64, sliding_window=100))
+    tokens = {g: token_values(RNG, 300) for g in range(2)}
+    spec = config.kv_cache_groups[1].kv_cache_spec
+    assert isinstance(spec, SlidingWindowSpec)
+    producer = Producer(config, FakeWorkers(fingerprints={0: 1, 1: 2}))
+    encoded = producer.send(
+        300, FakeBlocks.of(list(range(1, 6)), window_blocks(spec, 300, 10)), tokens
+    )
+    payload = KVChecksumPayload.from_bytes(base64.b64decode(encoded))
+    # Blocks 2..4 of 64 tokens kept: spans of 16 tokens 8..19.
+    _, span, start, values = payload.groups[1]
+    assert (span, start) == (16, 8)
+    np.testing.assert_array_equal(values, block_sums(tokens[1], 16, 8, 12, 300))
+    # Full attention: a value per block.
+    assert payload.groups[0][1:3] == (64, 0)
+    assert len(payload.groups[0][3]) == 5
 
 
 def mamba_load(
@@ -997,8 +1235,9 @@ UNVERIFIED_CASES = {
     ),
     "first loaded block inside a producer block": (
         dict(
-            params=payload_params((0, 0xF00D, 32, 0, [1, 2])),
-            consumer_blocks=FakeBlocks.of([1, 2, 3]),
+            params=payload_params((0, 0xF00D, 32, 0, [1]), num_tokens=32),
+            consumer_blocks=FakeBlocks.of([1, 2]),
+            num_tokens=32,
             num_local_tokens=16,
         ),
         R.START_INSIDE,

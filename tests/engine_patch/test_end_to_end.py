@@ -201,6 +201,46 @@ def test_a_corrupted_copy_of_replicated_heads_fails() -> None:
     assert consumer.scheduler.stats.mismatch == 1
 
 
+# --- The prefix cache -------------------------------------------------------------
+
+
+def prefix_caching_engines(fail_closed: bool) -> tuple[SimEngine, SimEngine]:
+    producer, consumer = engines(fail_closed=fail_closed)
+    consumer.prefix_caching = True
+    return producer, consumer
+
+
+def test_a_verified_loads_blocks_serve_a_later_request_from_the_prefix_cache() -> None:
+    producer, consumer = prefix_caching_engines(fail_closed=True)
+    assert transfer(producer, consumer, 70, seed=3, req_id="a").load() == set()
+    again = transfer(producer, consumer, 70, seed=3, req_id="b")
+    assert again.load() == set()
+    # Blocks 0..3 came from the cache; only the last was loaded.
+    assert again.num_cached_tokens == 64
+    for g, kv in again.kv.items():
+        np.testing.assert_array_equal(again.seen[g], kv)
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+def test_a_mismatched_loads_blocks_never_serve_another_request(
+    fail_closed: bool,
+) -> None:
+    producer, consumer = prefix_caching_engines(fail_closed)
+    first = transfer(producer, consumer, 70, seed=3, req_id="a")
+    failed = first.load(corrupt=flip(0, 1, 20, 0, 2, 3))
+    # Fail-open: the request itself goes on with what it loaded.
+    assert failed == ({"a"} if fail_closed else set())
+    assert consumer.scheduler.stats.mismatch == 1
+    again = transfer(producer, consumer, 70, seed=3, req_id="b")
+    assert again.load() == set()
+    # It decodes from the producer's KV: nothing was cached from the bad
+    # load, the same prompt loads it all.
+    for g, kv in again.kv.items():
+        np.testing.assert_array_equal(again.seen[g], kv)
+    assert again.num_cached_tokens == 0
+    assert consumer.scheduler.stats.verified == 1
+
+
 # --- Unverified loads -----------------------------------------------------------
 
 
@@ -278,6 +318,42 @@ def test_a_group_skipped_on_one_side_only_is_unverified(
     assert consumer.scheduler.stats.unverified == {R.ONE_SIDE: 1}
 
 
+@pytest.mark.parametrize(
+    ("producer_model", "consumer_model"),
+    [
+        (ModelShape(num_kv_heads=4), ModelShape(num_kv_heads=2)),
+        (ModelShape(num_kv_heads=2), ModelShape(num_kv_heads=4)),
+        (
+            ModelShape(groups=(GroupShape(layers=(0, 1, 2, 3), head_size=8),)),
+            ModelShape(groups=(GroupShape(layers=(0, 1, 2, 3), head_size=4),)),
+        ),
+        (ModelShape(groups=(GroupShape(layers=(0, 1, 2)),)), MODEL),
+    ],
+    ids=["4 KV heads -> 2", "2 KV heads -> 4", "head size 8 -> 4", "3 layers -> 4"],
+)
+@pytest.mark.parametrize("consumer_tp", [1, 2])
+def test_a_pair_serving_different_models_is_unverified_not_a_mismatch(
+    producer_model: ModelShape, consumer_model: ModelShape, consumer_tp: int
+) -> None:
+    producer, consumer = engines(
+        consumer=(consumer_tp, 1),
+        producer_model=producer_model,
+        consumer_model=consumer_model,
+    )
+    t = transfer(producer, consumer, 40)
+    want = consumer_model.random_kv(0, 40)
+
+    def convert(kv: KV) -> None:
+        # What the consumer's cache holds after the load: KV of its shape.
+        kv[0] = want[0]
+
+    assert t.load(corrupt=convert) == {"req"}
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch) == (0, 0)
+    assert stats.unverified == {R.OTHER_LAYERS: 1}
+    assert "model differs" in R.OTHER_LAYERS
+
+
 @pytest.mark.parametrize("reason", [FinishReason.ABORT, FinishReason.ERROR])
 def test_an_aborted_producer_sends_nothing(reason: FinishReason) -> None:
     producer, _ = engines()
@@ -349,7 +425,7 @@ def _swap(t: np.ndarray, dim: int, a: int | slice, b: int | slice) -> None:
 
 
 def _changed_byte(kv: KV) -> None:
-    kv[0][2, 33, 0, 5] += 77
+    kv[0][2, 33, 0, 5] = (int(kv[0][2, 33, 0, 5]) + 77) % 256
 
 
 def _zeroed_block(kv: KV) -> None:
@@ -416,25 +492,145 @@ def test_corruption_is_detected_across_block_sizes_and_replicas(case: str) -> No
     assert t.load(corrupt=DETECTED[case]) == {"req"}
 
 
+# --- Sliding windows between block sizes ------------------------------------------
+
+# A full-attention group and a sliding-window group (window 40: not a whole
+# number of blocks).
+WINDOW = 40
+SLIDING = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1)),
+        GroupShape(layers=(2, 3), sliding_window=WINDOW),
+    )
+)
+SLIDING_BLOCK_SIZES = [(32, 16), (16, 32)]
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+def test_sliding_window_loads_between_block_sizes_verify(
+    producer_bs: int, consumer_bs: int
+) -> None:
+    producer, consumer = engines(
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING,
+        consumer_model=SLIDING,
+    )
+    lengths = range(1, 140, 3)
+    for n in lengths:
+        t = transfer(producer, consumer, n, seed=n, req_id=f"r{n}")
+        assert t.load() == set(), n
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (
+        len(lengths),
+        0,
+        {},
+    )
+
+
+def _window_flip(token: int) -> Callable[[KV], None]:
+    """Flip a bit of ``token`` in the sliding-window group (group 1)."""
+    return flip(1, 1, token, 1, 3, 5)
+
+
+SLIDING_DETECTED: dict[str, Callable[[KV], None]] = {
+    "a bit of the last token": _window_flip(-1),
+    # The next token reads from WINDOW - 1 tokens back; a recomputed last
+    # token from WINDOW back.
+    "a bit of the window's first token": _window_flip(-(WINDOW - 1)),
+    "a bit of the first token a recomputed last token reads": _window_flip(-WINDOW),
+    "swapped tokens": lambda kv: _swap(kv[1], 1, -3, -2),
+    "a zeroed 16-token span": lambda kv: kv[1][:, -20:-4].fill(0),
+}
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+@pytest.mark.parametrize("num_tokens", [100, 77])
+@pytest.mark.parametrize("case", list(SLIDING_DETECTED))
+def test_corruption_in_a_sliding_window_is_detected_between_block_sizes(
+    producer_bs: int, consumer_bs: int, num_tokens: int, case: str
+) -> None:
+    producer, consumer = engines(
+        (2, 1),
+        (1, 1),
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING,
+        consumer_model=SLIDING,
+    )
+    t = transfer(producer, consumer, num_tokens, seed=5)
+
+    def corrupt(kv: KV) -> None:
+        # Index from the end of the whole request, whatever was transferred.
+        full = {
+            g: np.zeros((*a.shape[:1], num_tokens, *a.shape[2:]), a.dtype)
+            for g, a in kv.items()
+        }
+        for g, a in kv.items():
+            full[g][:, num_tokens - a.shape[1] :] = a
+        SLIDING_DETECTED[case](full)
+        for g, a in kv.items():
+            a[...] = full[g][:, num_tokens - a.shape[1] :]
+
+    assert t.load(corrupt=corrupt) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
+# The detection matrix on a sliding-window group: 4 layers, as MODEL's
+# group, so the cases apply as they are; at 50 tokens a window of 40 keeps
+# every block on both sides, so every token is compared.
+SLIDING_WIDE = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1, 2, 3)),
+        GroupShape(layers=(4, 5, 6, 7), sliding_window=WINDOW),
+    )
+)
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_BLOCK_SIZES)
+@pytest.mark.parametrize("case", list(DETECTED))
+def test_corruption_of_a_sliding_window_group_is_detected_between_block_sizes(
+    producer_bs: int, consumer_bs: int, case: str
+) -> None:
+    producer, consumer = engines(
+        (1, 1),
+        (2, 1),
+        producer_bs=producer_bs,
+        consumer_bs=consumer_bs,
+        producer_model=SLIDING_WIDE,
+        consumer_model=SLIDING_WIDE,
+    )
+    t = transfer(producer, consumer, NUM_TOKENS, seed=7)
+
+    def corrupt_window_group(kv: KV) -> None:
+        DETECTED[case]({0: kv[1]})
+
+    assert t.load(corrupt=corrupt_window_group) == {"req"}
+    assert consumer.scheduler.stats.mismatch == 1
+
+
 # --- Many clean loads -------------------------------------------------------------
 
 CLEAN_PAIRINGS = [
-    *(((p, c, 16, 16) for p, c in PAIRINGS.values())),
-    ((1, 1), (1, 1), 16, 32),
-    ((2, 1), (1, 2), 32, 16),
+    *(((MODEL, p, c, 16, 16) for p, c in PAIRINGS.values())),
+    (MODEL, (1, 1), (1, 1), 16, 32),
+    (MODEL, (2, 1), (1, 2), 32, 16),
+    (SLIDING, (1, 1), (2, 1), 16, 32),
+    (SLIDING, (2, 1), (1, 1), 32, 16),
+    (SLIDING, (1, 2), (1, 1), 32, 16),
 ]
 
 
 def test_a_thousand_clean_random_loads_all_verify() -> None:
     rng = np.random.default_rng(2024)
     total = 0
-    for i, (p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
+    for i, (model, p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
         layouts = list(KVLayout)
         producer = SimEngine(
-            MODEL, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
+            model, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
         )
         consumer = SimEngine(
-            MODEL,
+            model,
             tp=c[0],
             pp=c[1],
             block_size=c_bs,

@@ -44,6 +44,7 @@ def workers(kvs: list[torch.Tensor], tp: int) -> list[KVChecksumWorker]:
                 head_offset=first,
                 replicas=replicas,
                 replica_index=rank % replicas,
+                total_num_kv_heads=KV_HEADS,
             )
             for index, kv in enumerate(kvs)
         ]

@@ -13,7 +13,13 @@ import urllib.request
 import pytest
 
 from fake_engine.cli import build_parser, config_from_args, main
-from fake_engine.config import FaultKind, FaultSide, KVLoadFailurePolicy, Role
+from fake_engine.config import (
+    EngineConfig,
+    FaultKind,
+    FaultSide,
+    KVLoadFailurePolicy,
+    Role,
+)
 
 
 def test_flags_map_onto_the_engine_config() -> None:
@@ -23,7 +29,7 @@ def test_flags_map_onto_the_engine_config() -> None:
             "--tp-size=2",
             "--block-size=32",
             "--kv-checksums=off",
-            "--fail-closed",
+            "--fail-open",
             "--kv-load-failure-policy=recompute",
             "--lease-s=5",
             "--fault=stale",
@@ -38,7 +44,7 @@ def test_flags_map_onto_the_engine_config() -> None:
     config = config_from_args(args)
     assert config.role is Role.PRODUCER
     assert (config.tp_size, config.block_size) == (2, 32)
-    assert not config.kv_checksums and config.fail_closed
+    assert not config.kv_checksums and not config.fail_closed
     assert config.kv_load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
     assert config.lease_s == 5
     assert (
@@ -48,6 +54,19 @@ def test_flags_map_onto_the_engine_config() -> None:
     assert (config.fault.rate, config.fault.count) == (0.25, 3)
     assert config.enable_fault_admin
     assert (config.prefill_tokens_per_s, config.decode_tokens_per_s) == (5000, 40)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fail_closed"),
+    [([], True), (["--fail-closed"], True), (["--fail-open"], False)],
+    ids=["default", "--fail-closed", "--fail-open"],
+)
+def test_fail_closed_is_the_default_and_fail_open_an_explicit_opt_in(
+    argv: list[str], fail_closed: bool
+) -> None:
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.fail_closed is fail_closed
+    assert EngineConfig().fail_closed
 
 
 @pytest.mark.parametrize(

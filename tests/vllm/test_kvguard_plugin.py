@@ -43,11 +43,12 @@ def transfer_config(extra: dict[str, Any], **fields: Any) -> KVTransferConfig:
 # ---------------------------------------------------------------- config
 
 
-def test_defaults_wrap_nixl_with_fail_open_checksums() -> None:
+def test_defaults_wrap_nixl_with_fail_closed_checksums() -> None:
     settings = parse_settings(transfer_config({}))
     assert settings.inner == {"kv_connector": "NixlConnector"}
     assert settings.kv_checksums.enabled
-    assert not settings.kv_checksums.fail_closed
+    # Fail-open is an explicit opt-in, for rollouts.
+    assert settings.kv_checksums.fail_closed
     assert settings.fault_injection is None
 
 

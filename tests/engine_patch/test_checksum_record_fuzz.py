@@ -1,0 +1,409 @@
+"""Malformed worker records: whatever a worker or a peer's connector hands
+the scheduler (odd ranks, replica keys, dtypes, shapes, starts, types), the
+load it names is unverified, never an exception; and the scheduler's own
+checks catch it (its last-resort "internal error" outcome never shows)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_host_fakes import (
+    FakeBlocks,
+    FakeConnector,
+    FakeConnectorOutput,
+    FakeKVCacheManager,
+    FakeWorkers,
+    consumer_request,
+    producer_request,
+    scheduled_values,
+    token_values,
+)
+
+from engine_patch import log
+from engine_patch.config import KVChecksumConfig
+from engine_patch.host import FinishReason
+from engine_patch.kv_cache import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
+from engine_patch.types import KVChecksumGroup, KVChecksumRecord
+
+R = UnverifiedReason
+CONFIG = KVCacheConfig(
+    [
+        KVCacheGroup(FullAttentionSpec(16)),
+        KVCacheGroup(SlidingWindowSpec(32, sliding_window=48)),
+        KVCacheGroup(MambaSpec(block_size=64, state_splits=(1,))),
+    ]
+)
+FINGERPRINTS = {0: 0xF00D, 1: 0xBEEF, 2: 0xCAFE}
+NUM_TOKENS = 100
+TP, PP = 2, 2
+
+FUZZ = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(log, "_warned", set())
+
+
+def blocks() -> FakeBlocks:
+    # 7 blocks of 16, 4 of 32 (the window's last 3 transferred), a state.
+    return FakeBlocks.of(list(range(1, 8)), [None, 11, 12, 13], [None, 21])
+
+
+@dataclass
+class Load:
+    """A consumer (TP 2, PP 2) whose load of a request is scheduled, and the
+    records its workers would report for it."""
+
+    scheduler: KVChecksumScheduler
+    records: list[KVChecksumRecord]
+
+    def finish(self, records: list[Any]) -> set[str]:
+        return self.scheduler.update_from_output(
+            FakeConnectorOutput(records, {"c"}), set()
+        )
+
+
+def clean_load(fail_closed: bool = True) -> Load:
+    rng = np.random.default_rng(7)
+    tokens = {g: token_values(rng, NUM_TOKENS) for g in range(3)}
+    producer = KVChecksumScheduler(KVChecksumConfig(tp_size=1), CONFIG, FakeConnector())
+    req = producer_request("c", NUM_TOKENS)
+    req.num_computed_tokens = NUM_TOKENS
+    producer.add_send(req, NUM_TOKENS, FakeKVCacheManager({"c": blocks()}))
+    scheduled = producer.build_checksum_meta()
+    assert scheduled is not None
+    values = scheduled_values(scheduled.reqs_to_send["c"], tokens, CONFIG)
+    workers = FakeWorkers(fingerprints=FINGERPRINTS, rng=rng)
+    producer.update_from_output(FakeConnectorOutput(workers.report("c", values)), set())
+    req.finish_reason = FinishReason.STOP
+    params: dict[str, object] = {}
+    producer.request_finished(req, params)
+
+    consumer = KVChecksumScheduler(
+        KVChecksumConfig(tp_size=TP, pp_size=PP, fail_closed=fail_closed),
+        CONFIG,
+        FakeConnector(),
+    )
+    creq = consumer_request("c", NUM_TOKENS, params)
+    consumer.on_new_request(creq)
+    creq.num_computed_tokens = NUM_TOKENS
+    consumer.add_recv(creq, blocks(), 0)
+    scheduled = consumer.build_checksum_meta()
+    assert scheduled is not None
+    values = scheduled_values(scheduled.reqs_to_recv["c"], tokens, CONFIG)
+    workers = FakeWorkers(tp=TP, pp=PP, fingerprints=FINGERPRINTS, rng=rng)
+    return Load(consumer, workers.report("c", values))
+
+
+def outcome(scheduler: KVChecksumScheduler) -> str:
+    stats = scheduler.stats
+    outcomes = [
+        *(["verified"] * stats.verified),
+        *(["mismatch"] * stats.mismatch),
+        *(str(reason) for reason in stats.unverified.elements()),
+    ]
+    assert len(outcomes) == 1, outcomes
+    return outcomes[0]
+
+
+def test_a_clean_load_verifies() -> None:
+    load = clean_load()
+    assert load.finish(load.records) == set()
+    assert outcome(load.scheduler) == "verified"
+
+
+# --- Known malformations ----------------------------------------------------------
+
+
+def group_of(record: KVChecksumRecord, group_id: int = 0) -> KVChecksumGroup:
+    return record.checksums["c"][group_id]
+
+
+def _set_group(**fields: Any) -> Callable[[list[KVChecksumRecord]], None]:
+    def mutate(records: list[KVChecksumRecord]) -> None:
+        group = group_of(records[1])
+        for name, value in fields.items():
+            setattr(group, name, value(group) if callable(value) else value)
+
+    return mutate
+
+
+def _set_record(**fields: Any) -> Callable[[list[KVChecksumRecord]], None]:
+    def mutate(records: list[KVChecksumRecord]) -> None:
+        for name, value in fields.items():
+            setattr(records[1], name, value)
+
+    return mutate
+
+
+MALFORMED: dict[str, Callable[[list[KVChecksumRecord]], None]] = {
+    "replica key (0, 0)": _set_group(replica_keys=[(0, 0)]),
+    "replica key (1, 1)": _set_group(replica_keys=[(1, 1)]),
+    "a replica count beyond TP": _set_group(replica_keys=[(2**62, 0)]),
+    "repeated replica keys": _set_group(
+        replica_keys=[(1, 0), (1, 0)],
+        values=lambda g: np.repeat(g.values, 2, axis=1),
+    ),
+    "a replica key as a list": _set_group(replica_keys=[[1, 0]]),
+    "int64 values": _set_group(values=lambda g: g.values.astype(np.int64)),
+    "float values": _set_group(values=lambda g: g.values.astype(np.float64)),
+    "big-endian values": _set_group(values=lambda g: g.values.astype(">u8")),
+    "object values": _set_group(values=lambda g: g.values.astype(object)),
+    "values as a list": _set_group(values=lambda g: g.values.tolist()),
+    "1-d values": _set_group(values=lambda g: g.values[:, 0].copy()),
+    "values of too many columns": _set_group(
+        values=lambda g: np.repeat(g.values, 2, axis=1)
+    ),
+    "values of too few rows": _set_group(values=lambda g: g.values[:-1].copy()),
+    "a negative start": _set_group(start=-1),
+    "a huge start": _set_group(start=2**70),
+    "a float start": _set_group(start=0.0),
+    "a bool start": _set_group(start=False),
+    "stored values of the wrong type": _set_group(stored=np.zeros(7, np.float32)),
+    "a group that is not checksums": lambda rs: rs[1].checksums["c"].update({0: 42}),
+    "a request's checksums not keyed by group": lambda rs: rs[1].checksums.update(
+        {"c": {"0": group_of(rs[1])}}
+    ),
+    "a request's checksums as a list": lambda rs: rs[1].checksums.update({"c": [1]}),
+    "a TP rank out of range": _set_record(tp_rank=5),
+    "a negative PP rank": _set_record(pp_rank=-1),
+    "a rank of the wrong type": _set_record(tp_rank="1"),
+    "fingerprints beyond 64 bits": _set_record(fingerprints={0: 2**64, 1: 1, 2: 2}),
+    "a float fingerprint": _set_record(fingerprints={0: 1.5}),
+    "skipped groups as a list": _set_record(skipped_groups=[0]),
+    "checksums as a list": _set_record(checksums=[]),
+    "not a record": lambda rs: rs.__setitem__(1, "a record"),
+    "two TP ranks of one stage disagreeing on fingerprints": lambda rs: rs[
+        1
+    ].fingerprints.update({0: 0xBAD}),
+    "a worker leaving out a group it holds": lambda rs: rs[1].checksums["c"].pop(0),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_record_leaves_the_load_unverified(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    load = clean_load()
+    records: list[Any] = copy.deepcopy(load.records)
+    MALFORMED[case](records)
+    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+        failed = load.finish(records)
+    assert failed == {"c"}
+    assert outcome(load.scheduler) in {
+        R.MALFORMED,
+        R.INCOMPLETE,
+        R.OTHER_BLOCKS,
+        R.INVALID_CHECKSUMS,
+    }
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("replica key (0, 0)", R.MALFORMED),
+        ("int64 values", R.MALFORMED),
+        # Names no request: as if the worker had not reported.
+        ("not a record", R.INCOMPLETE),
+    ],
+)
+def test_a_producer_with_a_malformed_record_sends_no_checksums(
+    case: str, reason: UnverifiedReason
+) -> None:
+    producer = KVChecksumScheduler(
+        KVChecksumConfig(tp_size=TP, pp_size=PP), CONFIG, FakeConnector()
+    )
+    req = producer_request("p", NUM_TOKENS)
+    req.num_computed_tokens = NUM_TOKENS
+    producer.add_send(req, NUM_TOKENS, FakeKVCacheManager({"p": blocks()}))
+    scheduled = producer.build_checksum_meta()
+    assert scheduled is not None
+    rng = np.random.default_rng(3)
+    tokens = {g: token_values(rng, NUM_TOKENS) for g in range(3)}
+    values = scheduled_values(scheduled.reqs_to_send["p"], tokens, CONFIG)
+    workers = FakeWorkers(tp=TP, pp=PP, fingerprints=FINGERPRINTS, rng=rng)
+    records: list[Any] = workers.report("p", values)
+    for record in records:
+        record.checksums["c"] = record.checksums["p"]
+    MALFORMED[case](records)
+    producer.update_from_output(FakeConnectorOutput(records), set())
+    req.finish_reason = FinishReason.STOP
+    params: dict[str, object] = {}
+    producer.request_finished(req, params)
+    assert params == {}
+    assert producer.stats.not_sent == {reason: 1}
+
+
+@pytest.mark.parametrize("received", [12, "text", None, [1], b"\x93garbage"])
+def test_a_received_payload_that_is_not_one_leaves_the_load_unverified(
+    received: object,
+) -> None:
+    # No payload in the request's params: the connector's received one counts.
+    scheduler = KVChecksumScheduler(
+        KVChecksumConfig(tp_size=1),
+        KVCacheConfig([KVCacheGroup(FullAttentionSpec(16))]),
+        FakeConnector(),
+    )
+    req = consumer_request("c", 16)
+    scheduler.on_new_request(req)
+    req.num_computed_tokens = 16
+    scheduler.add_recv(req, FakeBlocks.of([1]), 0)
+    scheduler.build_checksum_meta()
+    records = FakeWorkers().report(
+        "c", {0: (0, token_values(np.random.default_rng(), 1))}
+    )
+    records[0].received["c"] = received  # type: ignore[assignment]
+    failed = scheduler.update_from_output(FakeConnectorOutput(records, {"c"}), set())
+    assert failed == {"c"}
+    assert outcome(scheduler) == R.INVALID_CHECKSUMS
+
+
+# --- Anything at all --------------------------------------------------------------
+
+arrays = st.sampled_from([np.uint64, np.int64, np.float64, np.uint32, object]).flatmap(
+    lambda dtype: st.tuples(st.integers(0, 9), st.integers(0, 3)).map(
+        lambda shape: np.ones(shape, dtype=dtype)
+    )
+) | st.integers(0, 9).map(lambda n: np.ones(n, dtype=np.uint64))
+
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.binary(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.tuples(st.integers(-3, 2**63), st.integers(-3, 3)),
+    st.lists(st.tuples(st.integers(-1, 4), st.integers(-1, 4)), max_size=3),
+    st.dictionaries(
+        st.integers(-1, 3) | st.text(max_size=2), st.integers(-1, 2**64), max_size=3
+    ),
+    st.frozensets(st.integers(-1, 3), max_size=3),
+    arrays,
+)
+
+RECORD_FIELDS = [
+    "pp_rank",
+    "tp_rank",
+    "checksums",
+    "skipped_groups",
+    "fingerprints",
+    "received",
+]
+GROUP_FIELDS = ["start", "replica_keys", "values", "stored"]
+
+
+@st.composite
+def mutations(draw: st.DrawFn) -> tuple[int, tuple[Any, ...], Any]:
+    """Which record, what in it (a record field, a group's field, a group, a
+    request's checksums, an item of a field), and the value put there."""
+    index = draw(st.integers(0, TP * PP - 1))
+    where = draw(
+        st.sampled_from(
+            [
+                *(("record", name) for name in RECORD_FIELDS),
+                *(("group", g, name) for g in range(3) for name in GROUP_FIELDS),
+                *(("group", g) for g in range(3)),
+                ("request",),
+                ("fingerprint",),
+                ("replica_key",),
+                ("value",),
+                ("record_itself",),
+            ]
+        )
+    )
+    return index, where, draw(junk)
+
+
+def _same_kind(old: Any, new: Any) -> bool:
+    if isinstance(old, np.ndarray):
+        return (
+            isinstance(new, np.ndarray)
+            and new.dtype == old.dtype
+            and new.shape == old.shape
+        )
+    return type(new) is type(old)
+
+
+def apply(records: list[Any], index: int, where: tuple[Any, ...], value: Any) -> bool:
+    """Put ``value`` there; whether it is of another kind than what it
+    replaces (then the load must not verify)."""
+    record = records[index]
+    kind = where[0]
+    if kind == "record":
+        old = getattr(record, where[1])
+        setattr(record, where[1], value)
+    elif kind == "group" and len(where) == 3:
+        group = record.checksums["c"][where[1]]
+        old = getattr(group, where[2])
+        setattr(group, where[2], value)
+        if where[2] == "stored":
+            # Only loads of offloaded KV use them; this is a P2P load.
+            return False
+    elif kind == "group":
+        old = record.checksums["c"][where[1]]
+        record.checksums["c"][where[1]] = value
+    elif kind == "request":
+        old = record.checksums["c"]
+        record.checksums["c"] = value
+    elif kind == "fingerprint":
+        old = record.fingerprints[0]
+        record.fingerprints[0] = value
+    elif kind == "replica_key":
+        old = record.checksums["c"][0].replica_keys[0]
+        record.checksums["c"][0].replica_keys[0] = value
+    elif kind == "value":
+        group = record.checksums["c"][0]
+        if isinstance(value, int) and not isinstance(value, bool):
+            group.values[0, 0] = np.uint64(value % 2**64)
+            return False
+        old, group.values = group.values, np.asarray(group.values, dtype=object)
+        value = group.values
+    else:
+        old = record
+        records[index] = value
+    return not _same_kind(old, value)
+
+
+@FUZZ
+@given(st.lists(mutations(), min_size=1, max_size=3), st.booleans())
+def test_any_record_is_an_outcome_never_an_exception(
+    changes: list[tuple[int, tuple[Any, ...], Any]], fail_closed: bool
+) -> None:
+    load = clean_load(fail_closed)
+    records: list[Any] = copy.deepcopy(load.records)
+    # Per place changed, whether what is there now is of another kind: a
+    # later change to the same place may put back a value of the right kind.
+    other_kind: dict[tuple[int, tuple[Any, ...]], bool] = {}
+    for index, where, value in changes:
+        # Later changes may land in what an earlier one replaced.
+        try:
+            other_kind[index, where] = apply(records, index, where, value)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            continue
+    failed = load.finish(records)
+    result = outcome(load.scheduler)
+    assert result != R.INTERNAL
+    if any(other_kind.values()):
+        assert result != "verified"
+    assert failed == ({"c"} if fail_closed and result != "verified" else set())
