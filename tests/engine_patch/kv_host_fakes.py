@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class FakeBlocks:
     blocks: list[list[FakeBlock]]
 
     @classmethod
-    def of(cls, *groups: Sequence[int | None]) -> FakeBlocks:
+    def of(cls, *groups: Sequence[int | None]) -> Self:
         """Blocks per group from their ids; None is the null block."""
         return cls(
             [
