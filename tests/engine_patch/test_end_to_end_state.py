@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from pd_sim import (
     KV,
+    GroupShape,
     ModelShape,
     SimBlocks,
     SimEngine,
@@ -448,3 +449,35 @@ def test_corruption_of_a_sliding_window_or_state_group_of_one_model_is_detected(
         f"(group {g} block positions"
         in (consumer.scheduler.take_load_failures()["req"])
     )
+
+
+# --- States no worker can checksum ------------------------------------------------
+
+# TP 2 splits the conv state's x part (12 channels of 3 bf16) in shares of 36
+# bytes, not whole 8-byte pieces: no worker checksums the group.
+UNALIGNED = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 3)),
+        StateGroupShape(layers=(1, 2), num_heads=4, head_dim=3, n_groups=2, d_state=8),
+    )
+)
+
+
+@pytest.mark.parametrize("corrupted", [False, True], ids=["clean", "corrupted"])
+def test_a_loaded_state_group_no_worker_can_checksum_leaves_the_load_unverified(
+    corrupted: bool,
+) -> None:
+    producer, consumer = engines(
+        (2, 1), (2, 1), producer_model=UNALIGNED, consumer_model=UNALIGNED
+    )
+    assert {w.skipped_groups for w in consumer.workers.values()} == {frozenset({1})}
+    t = transfer(producer, consumer, NUM_TOKENS, seed=12)
+
+    def corrupt(kv: KV) -> None:
+        kv[1][0, 5] ^= 1
+
+    assert t.load(corrupt=corrupt if corrupted else None) == {"req"}
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch) == (0, 0)
+    assert stats.unverified == {R.SKIPPED: 1}
+    assert "(group 1)" in consumer.scheduler.take_load_failures()["req"]
