@@ -752,18 +752,28 @@ class SimEngine:
     def prefill(
         self, req_id: str, kv: KV, num_tokens: int
     ) -> tuple[FakeRequest, SimBlocks]:
-        """A producer request's prefill, in one step (an earlier state still
-        held holds another state)."""
-        req = producer_request(req_id, num_tokens)
-        blocks = self.allocate(req_id, num_tokens)
-        req.num_computed_tokens = num_tokens
-        self.write(blocks, kv, 0, num_tokens)
-        for g, decoys in blocks.decoys.items():
-            for block in decoys:
-                self.write_state(g, block, self.random_state(g))
-        self.scheduler.add_send(req, num_tokens, self.manager)
-        assert self.step() == set()
+        """A producer request's prefill, in one step."""
+        ((req, blocks),) = self.prefill_together([(req_id, kv, num_tokens)])
         return req, blocks
+
+    def prefill_together(
+        self, prompts: Sequence[tuple[str, KV, int]]
+    ) -> list[tuple[FakeRequest, SimBlocks]]:
+        """Producer requests ``(req_id, kv, num_tokens)`` prefilled in one
+        step (an earlier state still held holds another state)."""
+        out = []
+        for req_id, kv, num_tokens in prompts:
+            req = producer_request(req_id, num_tokens)
+            blocks = self.allocate(req_id, num_tokens)
+            req.num_computed_tokens = num_tokens
+            self.write(blocks, kv, 0, num_tokens)
+            for g, decoys in blocks.decoys.items():
+                for block in decoys:
+                    self.write_state(g, block, self.random_state(g))
+            self.scheduler.add_send(req, num_tokens, self.manager)
+            out.append((req, blocks))
+        assert self.step() == set()
+        return out
 
 
 Corruption = Callable[[KV], None]
@@ -789,13 +799,6 @@ class Transfer:
     num_cached_tokens: int = field(init=False, default=0)
     seen: KV = field(init=False, default_factory=dict)
 
-    def prefill(self, reason: FinishReason = FinishReason.STOP) -> dict[str, object]:
-        req, self.producer_blocks = self.producer.prefill(
-            self.req_id, self.kv, self.num_tokens
-        )
-        self.params = self.producer.finish(req, reason)
-        return self.params
-
     def load(
         self,
         *,
@@ -815,6 +818,20 @@ class Transfer:
         cached unless it failed or mismatched
         (``KVChecksumScheduler.take_mismatched_loads``).
         """
+        req = self.start_load(params, num_local_tokens)
+        failed = self.consumer.step(
+            finished_loads=[self.req_id],
+            load=lambda: self.copy(corrupt, corrupt_cache),
+            ranks=ranks,
+        )
+        self.finish_load(req, failed, self.consumer.scheduler.take_mismatched_loads())
+        return failed
+
+    def start_load(
+        self, params: Mapping[str, object] | None = None, num_local_tokens: int = 0
+    ) -> FakeRequest:
+        """The consumer request arrives and its load starts (scheduled for
+        the next step): its request."""
         consumer = self.consumer
         req = consumer_request(
             self.req_id, self.num_tokens, self.params if params is None else params
@@ -832,26 +849,61 @@ class Transfer:
         self.num_cached_tokens = num_local_tokens
         req.num_computed_tokens = self.num_tokens
         consumer.scheduler.add_recv(req, blocks, num_local_tokens)
+        return req
 
-        def copy() -> None:
-            data = self.producer.read(
-                self.producer_blocks, num_local_tokens, self.num_tokens
-            )
-            if corrupt is not None:
-                corrupt(data)
-            consumer.write(blocks, data, num_local_tokens, self.num_tokens)
-            if corrupt_cache is not None:
-                corrupt_cache(consumer, blocks)
+    def copy(
+        self,
+        corrupt: Corruption | None = None,
+        corrupt_cache: Callable[[SimEngine, SimBlocks], None] | None = None,
+    ) -> None:
+        """The transfer: the producer's KV past the consumer's cached tokens
+        into the consumer's blocks."""
+        data = self.producer.read(
+            self.producer_blocks, self.num_cached_tokens, self.num_tokens
+        )
+        if corrupt is not None:
+            corrupt(data)
+        self.consumer.write(
+            self.consumer_blocks, data, self.num_cached_tokens, self.num_tokens
+        )
+        if corrupt_cache is not None:
+            corrupt_cache(self.consumer, self.consumer_blocks)
 
-        failed = consumer.step(finished_loads=[self.req_id], load=copy, ranks=ranks)
-        self.seen = consumer.read(blocks, 0, self.num_tokens)
-        mismatched = consumer.scheduler.take_mismatched_loads()
-        if consumer.prefix_caching and self.req_id not in failed | set(mismatched):
-            consumer.cache(self.prompt, blocks, self.num_tokens)
+    def finish_load(
+        self,
+        req: FakeRequest,
+        failed: set[str],
+        mismatched: Mapping[str, object],
+    ) -> None:
+        """After the verifying step: what the consumer holds, its prefix
+        cache, and both requests finished."""
+        consumer = self.consumer
+        self.seen = consumer.read(self.consumer_blocks, 0, self.num_tokens)
+        if consumer.prefix_caching and self.req_id not in set(failed) | set(mismatched):
+            consumer.cache(self.prompt, self.consumer_blocks, self.num_tokens)
         consumer.finish(req)
         consumer.free(self.req_id)
         self.producer.free(self.req_id)
-        return failed
+
+
+def load_together(
+    transfers: Sequence[Transfer], corrupt: Mapping[str, Corruption] | None = None
+) -> tuple[set[str], dict[str, dict[int, list[int]]]]:
+    """The consumer loads several prefilled transfers (one consumer) in one
+    step, ``corrupt[req_id]`` applied to a request's: the failed and the
+    mismatched loads."""
+    (consumer,) = {id(t.consumer): t.consumer for t in transfers}.values()
+    reqs = [t.start_load() for t in transfers]
+
+    def copy() -> None:
+        for t in transfers:
+            t.copy((corrupt or {}).get(t.req_id))
+
+    failed = consumer.step(finished_loads=[t.req_id for t in transfers], load=copy)
+    mismatched = consumer.scheduler.take_mismatched_loads()
+    for t, req in zip(transfers, reqs, strict=True):
+        t.finish_load(req, failed, mismatched)
+    return failed, mismatched
 
 
 def transfer(
@@ -863,10 +915,33 @@ def transfer(
     req_id: str = "req",
 ) -> Transfer:
     """A prefilled transfer of random KV (the prompt ``seed``'s)."""
-    kv = producer.model.random_kv(seed, num_tokens)
-    t = Transfer(producer, consumer, num_tokens, kv, req_id, prompt=f"seed{seed}")
-    t.prefill()
+    (t,) = transfers_together(producer, consumer, [(req_id, num_tokens, seed)])
     return t
+
+
+def transfers_together(
+    producer: SimEngine,
+    consumer: SimEngine,
+    requests: Sequence[tuple[str, int, int]],
+) -> list[Transfer]:
+    """Transfers of requests ``(req_id, num_tokens, seed)`` of random KV (the
+    prompt ``seed``'s), prefilled in one step."""
+    out = [
+        Transfer(
+            producer,
+            consumer,
+            num_tokens,
+            producer.model.random_kv(seed, num_tokens),
+            req_id,
+            prompt=f"seed{seed}",
+        )
+        for req_id, num_tokens, seed in requests
+    ]
+    prefilled = producer.prefill_together([(t.req_id, t.kv, t.num_tokens) for t in out])
+    for t, (req, blocks) in zip(out, prefilled, strict=True):
+        t.producer_blocks = blocks
+        t.params = producer.finish(req)
+    return out
 
 
 # --- Offloading -------------------------------------------------------------------
@@ -976,8 +1051,10 @@ __all__ = [
     "StateSpec",
     "Transfer",
     "block_hashes",
+    "load_together",
     "offload",
     "offload_engine",
     "reload",
     "transfer",
+    "transfers_together",
 ]

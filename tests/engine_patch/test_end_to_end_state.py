@@ -24,7 +24,9 @@ from pd_sim import (
     SimEngine,
     StateGroupShape,
     Transfer,
+    load_together,
     transfer,
+    transfers_together,
 )
 from test_end_to_end import (
     HYBRID,
@@ -481,3 +483,34 @@ def test_a_loaded_state_group_no_worker_can_checksum_leaves_the_load_unverified(
     assert (stats.verified, stats.mismatch) == (0, 0)
     assert stats.unverified == {R.SKIPPED: 1}
     assert "(group 1)" in consumer.scheduler.take_load_failures()["req"]
+
+
+# --- Several loads in one step ----------------------------------------------------
+
+
+def test_loads_finishing_in_one_step_are_verified_each_on_its_own() -> None:
+    producer, consumer = hybrid_engines("TP 4->2, 32->16")
+    lengths = [1, 17, 50, 64, 33, 70]
+    transfers = transfers_together(
+        producer, consumer, [(f"r{i}", n, 20 + i) for i, n in enumerate(lengths)]
+    )
+
+    def flip_byte(g: int, index: tuple[int, ...]) -> Callable[[KV], None]:
+        def corrupt(kv: KV) -> None:
+            kv[g][index] ^= 0x10
+
+        return corrupt
+
+    failed, mismatched = load_together(
+        transfers,
+        {
+            "r1": flip_byte(1, (0, 300)),
+            "r3": flip_byte(0, (1, 40, 0, 3)),
+            "r4": flip_byte(2, (1, 0)),
+        },
+    )
+    assert failed == {"r1", "r3", "r4"}
+    # Token 40 is in the producer's block 1 of 32 tokens: consumer blocks 2, 3.
+    assert mismatched == {"r1": {1: [0]}, "r3": {0: [2, 3]}, "r4": {2: [0]}}
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (3, 3, {})
