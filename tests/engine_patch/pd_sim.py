@@ -25,6 +25,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -302,9 +303,11 @@ class SimEngine:
         fail_closed: bool = True,
         connector: FakeConnector | None = None,
         prefix_caching: bool = False,
+        state_pages: Literal["per_layer", "shared"] = "per_layer",
         seed: int = 0,
     ) -> None:
         self.model = model
+        self.state_pages = state_pages
         self.tp, self.pp = tp, pp
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -376,8 +379,10 @@ class SimEngine:
         return range(pp_rank * layers_per_stage, (pp_rank + 1) * layers_per_stage)
 
     def _make_state_caches(self, pp_rank: int, tp_rank: int) -> list[_StateCache]:
-        """The rank's state layers: per group, every layer's pages in one int8
-        buffer, its states cut out as vLLM's ``bind_kv_cache`` does."""
+        """The rank's state layers: each layer's pages in its own int8 tensor,
+        as vLLM allocates them (or, with ``state_pages="shared"``, all of a
+        group's layers in one), its states cut out as vLLM's
+        ``bind_kv_cache`` does."""
         stage = self._stage(pp_rank)
         caches = []
         for g, group in enumerate(self.model.groups):
@@ -404,10 +409,14 @@ class SimEngine:
                 for shape, spec in zip(shapes, specs, strict=True)
             )
             # NumPy-allocated: see _cells.
-            buffer = torch.from_numpy(
-                np.zeros((len(slots), self.num_blocks, page), dtype=np.int8)
-            )
-            for (slot, index), pages in zip(slots, buffer, strict=True):
+            shape = (len(slots), self.num_blocks, page)
+            if self.state_pages == "shared":
+                buffers = list(torch.from_numpy(np.zeros(shape, dtype=np.int8)))
+            else:
+                buffers = [
+                    torch.from_numpy(np.zeros(shape[1:], dtype=np.int8)) for _ in slots
+                ]
+            for (slot, index), pages in zip(slots, buffers, strict=True):
                 views = state_views(
                     pages[:, None, None, :], shapes, [spec.dtype for spec in specs]
                 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pytest
@@ -705,8 +705,17 @@ def test_a_thousand_clean_random_loads_all_verify() -> None:
     for i, pairing in enumerate(CLEAN_PAIRINGS):
         model, p, c, p_bs, c_bs, consumer_model = pairing
         layouts = list(KVLayout)
+        # State pages per layer (as vLLM allocates them) or one tensor for
+        # all layers of a group, on either side.
+        state_pages: list[Literal["per_layer", "shared"]] = ["per_layer", "shared"]
         producer = SimEngine(
-            model, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
+            model,
+            tp=p[0],
+            pp=p[1],
+            block_size=p_bs,
+            layout=layouts[i % 3],
+            state_pages=state_pages[i % 2],
+            seed=i,
         )
         consumer = SimEngine(
             consumer_model or model,
@@ -714,6 +723,7 @@ def test_a_thousand_clean_random_loads_all_verify() -> None:
             pp=c[1],
             block_size=c_bs,
             layout=layouts[(i + 1) % 3],
+            state_pages=state_pages[i // 2 % 2],
             seed=100 + i,
         )
         count = NUM_CLEAN_LOADS // len(CLEAN_PAIRINGS) + (

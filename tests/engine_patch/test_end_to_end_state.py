@@ -43,7 +43,7 @@ from engine_patch.payload import (
     decode_base64,
 )
 from engine_patch.scheduler import UnverifiedReason
-from engine_patch.worker import StateShard
+from engine_patch.worker import KVLayout, StateShard
 
 R = UnverifiedReason
 
@@ -514,3 +514,76 @@ def test_loads_finishing_in_one_step_are_verified_each_on_its_own() -> None:
     assert mismatched == {"r1": {1: [0]}, "r3": {0: [2, 3]}, "r4": {2: [0]}}
     stats = consumer.scheduler.stats
     assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (3, 3, {})
+
+
+def _random_fault(
+    rng: np.random.Generator, model: ModelShape, num_tokens: int
+) -> tuple[int, Callable[[KV], None]]:
+    """A random corruption of one group of a transfer: a flipped bit of its
+    state, or of a token the request reads (for a sliding window, one of the
+    last ``window - 1``), or a state of another request or of another layer."""
+    g = int(rng.integers(len(model.groups)))
+    group = model.groups[g]
+    kind = int(rng.integers(3)) if isinstance(group, StateGroupShape) else 0
+    other = model.random_kv(int(rng.integers(1 << 30)), num_tokens)[g]
+    where = int(rng.integers(1 << 30))
+
+    def corrupt(kv: KV) -> None:
+        data = kv[g]
+        if kind == 1:
+            kv[g] = other
+        elif kind == 2:
+            data[[0, 1]] = data[[1, 0]]
+        else:
+            if isinstance(group, GroupShape) and group.sliding_window:
+                data = data[:, -(group.sliding_window - 1) :]
+            index = np.unravel_index(where % data.size, data.shape)
+            data[index] ^= 1 << where % 8
+
+    return g, corrupt
+
+
+def test_random_corruptions_of_hybrid_loads_finishing_together_are_all_caught() -> None:
+    rng = np.random.default_rng(2025)
+    outcomes = {"caught": 0, "missed": 0, "verified": 0, "failed clean": 0}
+    for i in range(9):
+        model = (HYBRID, HYBRID_SLIDING, HYBRID_REPLICATED)[i % 3]
+        producer = SimEngine(
+            model,
+            tp=int(rng.choice([1, 2, 4])),
+            block_size=int(rng.choice([16, 32])),
+            num_blocks=200,
+            seed=i,
+        )
+        consumer = SimEngine(
+            model,
+            tp=int(rng.choice([1, 2, 4])),
+            block_size=int(rng.choice([16, 32])),
+            layout=KVLayout.PACKED_NHD,
+            num_blocks=200,
+            seed=50 + i,
+        )
+        for step in range(5):
+            requests = [
+                (f"s{step}r{n}", int(rng.integers(1, 150)), int(rng.integers(1 << 30)))
+                for n in range(int(rng.integers(1, 7)))
+            ]
+            transfers = transfers_together(producer, consumer, requests)
+            faults = {
+                t.req_id: _random_fault(rng, model, t.num_tokens)
+                for t in transfers
+                if rng.random() < 0.5
+            }
+            failed, mismatched = load_together(
+                transfers, {req_id: corrupt for req_id, (_, corrupt) in faults.items()}
+            )
+            for t in transfers:
+                if t.req_id in faults:
+                    g = faults[t.req_id][0]
+                    outcomes[
+                        "caught" if g in mismatched.get(t.req_id, {}) else "missed"
+                    ] += 1
+                else:
+                    outcomes["failed clean" if t.req_id in failed else "verified"] += 1
+    assert outcomes["missed"] == outcomes["failed clean"] == 0, outcomes
+    assert outcomes["caught"] > 50 and outcomes["verified"] > 50, outcomes
