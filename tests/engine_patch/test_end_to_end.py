@@ -652,12 +652,13 @@ HYBRID_UNKNOWN_SPLIT = ModelShape(
         StateGroupShape(layers=(1, 2), known_split=False, num_speculative_blocks=1),
     )
 )
-# The same model on a consumer with Mamba prefix caching ("align").
+# The same model on a consumer with Mamba prefix caching ("align") and
+# speculative decoding (scratch blocks after group 2's state too).
 HYBRID_ALIGNED = ModelShape(
     groups=(
         GroupShape(layers=(0, 3)),
         StateGroupShape(layers=(1, 2), num_speculative_blocks=1, cache_mode="align"),
-        StateGroupShape(layers=(4, 5), cache_mode="align"),
+        StateGroupShape(layers=(4, 5), num_speculative_blocks=2, cache_mode="align"),
     )
 )
 
