@@ -64,7 +64,8 @@ from engine_patch.worker import (
     state_views,
 )
 
-# Per group: uint8 [layers of the group, tokens, KV heads, cell bytes].
+# Per group: uint8 [layers of the group, tokens, KV heads, cell bytes], or
+# for a state group [layers of the group, state bytes].
 KV = dict[int, np.ndarray]
 Worker = tuple[int, int]  # (pp_rank, tp_rank)
 
@@ -127,10 +128,10 @@ class StateGroupShape:
     n_groups: int = 4
     d_state: int = 4
     conv_kernel: int = 4
-    conv_layout: str = "DS"
+    conv_layout: Literal["DS", "SD"] = "DS"
     known_split: bool = True
     tp_replicated: bool = False
-    cache_mode: str = "none"
+    cache_mode: Literal["none", "align"] = "none"
     num_speculative_blocks: int = 0
     # Bytes of a page past its states (vLLM pads state pages to the
     # attention page size).
