@@ -465,12 +465,17 @@ UNALIGNED = ModelShape(
 )
 
 
+@pytest.mark.parametrize(
+    ("producer_tp", "reason", "detail"),
+    [(2, R.SKIPPED, "(group 1)"), (1, R.ONE_SIDE, "(group 1 on the producer only)")],
+    ids=["TP 2->2", "TP 1->2"],
+)
 @pytest.mark.parametrize("corrupted", [False, True], ids=["clean", "corrupted"])
 def test_a_loaded_state_group_no_worker_can_checksum_leaves_the_load_unverified(
-    corrupted: bool,
+    corrupted: bool, producer_tp: int, reason: UnverifiedReason, detail: str
 ) -> None:
     producer, consumer = engines(
-        (2, 1), (2, 1), producer_model=UNALIGNED, consumer_model=UNALIGNED
+        (producer_tp, 1), (2, 1), producer_model=UNALIGNED, consumer_model=UNALIGNED
     )
     assert {w.skipped_groups for w in consumer.workers.values()} == {frozenset({1})}
     t = transfer(producer, consumer, NUM_TOKENS, seed=12)
@@ -481,8 +486,8 @@ def test_a_loaded_state_group_no_worker_can_checksum_leaves_the_load_unverified(
     assert t.load(corrupt=corrupt if corrupted else None) == {"req"}
     stats = consumer.scheduler.stats
     assert (stats.verified, stats.mismatch) == (0, 0)
-    assert stats.unverified == {R.SKIPPED: 1}
-    assert "(group 1)" in consumer.scheduler.take_load_failures()["req"]
+    assert stats.unverified == {reason: 1}
+    assert detail in consumer.scheduler.take_load_failures()["req"]
 
 
 # --- Several loads in one step ----------------------------------------------------
