@@ -93,6 +93,8 @@ class UnverifiedReason(enum.StrEnum):
     MISSING_REPLICA = "a replica was not checksummed"
     MAMBA_TP = "Mamba state without TP splits differs between TP sizes"
     ONE_SIDE = "a group is checksummed by one side only"
+    # Its workers cannot checksum it (``KVChecksumRecord.skipped_groups``).
+    SKIPPED = "a loaded group cannot be checksummed"
     # The fingerprints differ: other layers, KV heads, head size or dtype.
     OTHER_LAYERS = (
         "the producer's model differs (a group's layers, KV heads, head size or dtype)"
@@ -735,7 +737,7 @@ class KVChecksumScheduler:
         skipped: bool,
     ) -> list[int] | None:
         """The group's mismatching block positions, or None if the group is
-        not compared (neither side checksums it).
+        not compared (no worker of either side holds layers of it).
 
         Compared per span (``checksum_spans``); with different spans, sums of
         the smaller ones are compared with the larger ones. Without a
@@ -771,6 +773,9 @@ class KVChecksumScheduler:
                     f"group {group_id} on the "
                     f"{'producer' if unchecked else 'consumer'} only",
                 )
+            if skipped:
+                # Loaded, never compared: not verified.
+                raise _Unverified(UnverifiedReason.SKIPPED, f"group {group_id}")
             return None
         # The payload's "block size" and start are in spans.
         fingerprint, sent_span, sent_start, sent_values = sent

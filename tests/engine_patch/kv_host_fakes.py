@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class FakeBlocks:
     blocks: list[list[FakeBlock]]
 
     @classmethod
-    def of(cls, *groups: Sequence[int | None]) -> FakeBlocks:
+    def of(cls, *groups: Sequence[int | None]) -> Self:
         """Blocks per group from their ids; None is the null block."""
         return cls(
             [
@@ -149,12 +149,15 @@ def split_shares(
 @dataclass
 class FakeWorkers:
     """What ``tp * pp`` workers report: each group's block checksums split in
-    random shares (as TP shards and PP stages split them), one replica."""
+    random shares (as TP shards and PP stages split them), one replica.
+    Groups ``skipped`` (they cannot checksum) and ``unheld`` (no worker holds
+    layers of them, e.g. drafter layers only) are not reported."""
 
     tp: int = 1
     pp: int = 1
     fingerprints: dict[int, int] = field(default_factory=lambda: {0: 0xF00D})
     skipped: frozenset[int] = frozenset()
+    unheld: frozenset[int] = frozenset()
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     def stage_fingerprints(self, pp_rank: int) -> dict[int, int]:
@@ -176,7 +179,7 @@ class FakeWorkers:
         shares = {
             g: split_shares(self.rng, v, len(all_ranks))
             for g, (_, v) in values.items()
-            if g not in self.skipped
+            if g not in self.skipped | self.unheld
         }
         records = []
         for i, (pp_rank, tp_rank) in enumerate(all_ranks):

@@ -1257,10 +1257,17 @@ UNVERIFIED_CASES = {
         ),
         R.NO_COMMON_BLOCK,
     ),
-    "no loaded group checksummed on either side": (
+    "the loaded group skipped on both sides": (
         dict(
             params=payload_params(),
             consumer_workers=FakeWorkers(skipped=frozenset({0})),
+        ),
+        R.SKIPPED,
+    ),
+    "no loaded group checksummed on either side (drafter layers only)": (
+        dict(
+            params=payload_params(),
+            consumer_workers=FakeWorkers(fingerprints={}, unheld=frozenset({0})),
         ),
         R.NOTHING_CHECKSUMMED,
     ),
@@ -1286,7 +1293,7 @@ def test_an_unverified_load_fails_only_when_fail_closed(
     )
 
 
-def test_a_group_skipped_on_both_sides_is_ignored() -> None:
+def test_a_group_skipped_on_both_sides_does_not_hide_a_mismatch_of_another() -> None:
     config = kv_config(full(), full())
     consumer = load_with_payload(
         payload_params((0, 0xF00D, 16, 0, [0, 0, 0])),
@@ -1296,7 +1303,8 @@ def test_a_group_skipped_on_both_sides_is_ignored() -> None:
         ),
         consumer_blocks=FakeBlocks.of([1, 2, 3], [4, 5, 6]),
     )
-    # Group 0 is compared (and mismatches: other random KV), group 1 is not.
+    # Group 0 is compared (and mismatches: other random KV), group 1 is not
+    # (unverified, but a mismatch is what the load fails for).
     assert consumer.stats.mismatch == 1
     assert not consumer.stats.unverified
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from pd_sim import (
     GroupShape,
     ModelShape,
     SimEngine,
+    StateGroupShape,
     offload,
     offload_engine,
     reload,
@@ -282,14 +284,17 @@ TWO_GROUPS_CHECKED = ModelShape(
 )
 
 
-def test_a_group_skipped_on_both_sides_is_ignored() -> None:
+def test_a_group_skipped_on_both_sides_leaves_the_load_unverified() -> None:
     producer, consumer = engines(
         producer_model=TWO_GROUPS_SKIPPED, consumer_model=TWO_GROUPS_SKIPPED
     )
     assert producer.workers[0, 0].skipped_groups == {1}
     t = transfer(producer, consumer, 40)
-    assert t.load() == set()
-    assert consumer.scheduler.stats.verified == 1
+    # Its loaded KV is never compared: group 0 alone verifies nothing of it.
+    assert t.load() == {"req"}
+    stats = consumer.scheduler.stats
+    assert (stats.verified, stats.mismatch) == (0, 0)
+    assert stats.unverified == {R.SKIPPED: 1}
 
 
 @pytest.mark.parametrize(
@@ -307,7 +312,9 @@ def test_a_group_skipped_on_one_side_only_is_unverified(
         producer_model=producer_model, consumer_model=consumer_model
     )
     t = transfer(producer, consumer, 40)
-    cell_bytes = consumer_model.groups[1].cell_bytes
+    group = consumer_model.groups[1]
+    assert isinstance(group, GroupShape)
+    cell_bytes = group.cell_bytes
 
     def convert(kv: KV) -> None:
         # What the consumer's group 1 holds after the load, in its dtype.
@@ -609,35 +616,120 @@ def test_corruption_of_a_sliding_window_group_is_detected_between_block_sizes(
     assert consumer.scheduler.stats.mismatch == 1
 
 
+# --- Hybrid models (attention + Mamba2 state groups) -----------------------------
+
+# vLLM groups a hybrid's layers in groups of one size: here 2 attention
+# layers and 4 Mamba2 layers. Group 1 is checksummed per request in one
+# block (mamba_cache_mode "none") with a speculative scratch block after it;
+# group 2's state sits in the last of null blocks ("align").
+HYBRID = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 3)),
+        StateGroupShape(layers=(1, 2), num_speculative_blocks=1),
+        StateGroupShape(layers=(4, 5), cache_mode="align"),
+    )
+)
+# Full attention, a sliding window and a state group whose conv state is
+# state-length first (SD).
+HYBRID_SLIDING = ModelShape(
+    groups=(
+        GroupShape(layers=(0,)),
+        GroupShape(layers=(3,), sliding_window=WINDOW),
+        StateGroupShape(layers=(1, 2), conv_layout="SD", cache_mode="align"),
+    )
+)
+# States every TP rank holds whole (MambaSpec.tp_replicated).
+HYBRID_REPLICATED = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 3)),
+        StateGroupShape(layers=(1, 2), tp_replicated=True),
+    )
+)
+# States whose TP split neither side knows (no MambaSpec.state_splits).
+HYBRID_UNKNOWN_SPLIT = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 3)),
+        StateGroupShape(layers=(1, 2), known_split=False, num_speculative_blocks=1),
+    )
+)
+# The same model on a consumer with Mamba prefix caching ("align") and
+# speculative decoding (scratch blocks after group 2's state too).
+HYBRID_ALIGNED = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 3)),
+        StateGroupShape(layers=(1, 2), num_speculative_blocks=1, cache_mode="align"),
+        StateGroupShape(layers=(4, 5), num_speculative_blocks=2, cache_mode="align"),
+    )
+)
+
+
 # --- Many clean loads -------------------------------------------------------------
 
+
+class CleanPairing(NamedTuple):
+    model: ModelShape
+    producer: tuple[int, int]  # (TP, PP)
+    consumer: tuple[int, int]
+    producer_bs: int
+    consumer_bs: int
+    # The consumer's, if it differs (in state block layout only).
+    consumer_model: ModelShape | None = None
+
+
 CLEAN_PAIRINGS = [
-    *(((MODEL, p, c, 16, 16) for p, c in PAIRINGS.values())),
-    (MODEL, (1, 1), (1, 1), 16, 32),
-    (MODEL, (2, 1), (1, 2), 32, 16),
-    (SLIDING, (1, 1), (2, 1), 16, 32),
-    (SLIDING, (2, 1), (1, 1), 32, 16),
-    (SLIDING, (1, 2), (1, 1), 32, 16),
+    *(CleanPairing(MODEL, p, c, 16, 16) for p, c in PAIRINGS.values()),
+    CleanPairing(MODEL, (1, 1), (1, 1), 16, 32),
+    CleanPairing(MODEL, (2, 1), (1, 2), 32, 16),
+    CleanPairing(SLIDING, (1, 1), (2, 1), 16, 32),
+    CleanPairing(SLIDING, (2, 1), (1, 1), 32, 16),
+    CleanPairing(SLIDING, (1, 2), (1, 1), 32, 16),
+    # Hybrids: Mamba states between TP sizes 1, 2 and 4 (x, B, C and heads
+    # split), attention at block sizes 16 and 32.
+    CleanPairing(HYBRID, (1, 1), (2, 1), 16, 32),
+    CleanPairing(HYBRID, (4, 1), (1, 1), 32, 16),
+    CleanPairing(HYBRID, (2, 1), (4, 1), 16, 16),
+    CleanPairing(HYBRID, (1, 1), (1, 1), 32, 32),
+    CleanPairing(HYBRID, (2, 1), (1, 1), 16, 16, HYBRID_ALIGNED),
+    CleanPairing(HYBRID_SLIDING, (2, 1), (1, 1), 16, 32),
+    CleanPairing(HYBRID_SLIDING, (1, 1), (4, 1), 32, 16),
+    CleanPairing(HYBRID_REPLICATED, (1, 1), (2, 1), 16, 32),
+    CleanPairing(HYBRID_UNKNOWN_SPLIT, (2, 1), (2, 1), 32, 16),
+    # NIXL moves no Mamba state under PP; KVGuard's checksums add up anyway.
+    CleanPairing(HYBRID, (1, 2), (2, 1), 16, 32),
 ]
+NUM_CLEAN_LOADS = 1200
 
 
 def test_a_thousand_clean_random_loads_all_verify() -> None:
     rng = np.random.default_rng(2024)
-    total = 0
-    for i, (model, p, c, p_bs, c_bs) in enumerate(CLEAN_PAIRINGS):
+    total = hybrid = 0
+    for i, pairing in enumerate(CLEAN_PAIRINGS):
+        model, p, c, p_bs, c_bs, consumer_model = pairing
         layouts = list(KVLayout)
+        # State pages per layer (as vLLM allocates them) or one tensor for
+        # all layers of a group, on either side.
+        state_pages: list[Literal["per_layer", "shared"]] = ["per_layer", "shared"]
         producer = SimEngine(
-            model, tp=p[0], pp=p[1], block_size=p_bs, layout=layouts[i % 3], seed=i
+            model,
+            tp=p[0],
+            pp=p[1],
+            block_size=p_bs,
+            layout=layouts[i % 3],
+            state_pages=state_pages[i % 2],
+            seed=i,
         )
         consumer = SimEngine(
-            model,
+            consumer_model or model,
             tp=c[0],
             pp=c[1],
             block_size=c_bs,
             layout=layouts[(i + 1) % 3],
+            state_pages=state_pages[i // 2 % 2],
             seed=100 + i,
         )
-        count = 1000 // len(CLEAN_PAIRINGS) + (i < 1000 % len(CLEAN_PAIRINGS))
+        count = NUM_CLEAN_LOADS // len(CLEAN_PAIRINGS) + (
+            i < NUM_CLEAN_LOADS % len(CLEAN_PAIRINGS)
+        )
         for n in range(count):
             num_tokens = int(rng.integers(1, 150))
             chunk = max(p_bs, c_bs)
@@ -650,6 +742,9 @@ def test_a_thousand_clean_random_loads_all_verify() -> None:
                 req_id=f"r{n}",
             )
             assert t.load(num_local_tokens=num_local) == set()
+            for g in model.state_groups():
+                # The consumer decodes from the producer's state.
+                np.testing.assert_array_equal(t.seen[g], t.kv[g])
         stats = consumer.scheduler.stats
         assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (
             count,
@@ -657,4 +752,5 @@ def test_a_thousand_clean_random_loads_all_verify() -> None:
             {},
         )
         total += count
-    assert total == 1000
+        hybrid += count if model.state_groups() else 0
+    assert (total, hybrid) == (NUM_CLEAN_LOADS, 570)
