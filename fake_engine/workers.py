@@ -56,6 +56,10 @@ class TPWorker:
         )
         self.checksums: KVChecksumWorker | None = None
         if config.kv_checksums:
+            # Eager unless KVGUARD_CHECKSUM_COMPILE=1: a fake engine's passes
+            # are small, where the fused kernel gains nothing (per-op dispatch
+            # dominates) and its compile (20-45 s on a CPU, per process and
+            # KV shape) would land in tests.
             self.checksums = KVChecksumWorker(self.kv_layers(), tp_rank=rank)
         # Checksum work so far, exported like vLLM's connector does (throughput).
         self.checksum_bytes = 0
