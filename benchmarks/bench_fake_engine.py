@@ -367,7 +367,6 @@ async def main() -> None:
         help="the machine runs nothing else (drops the shared-machine note)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     if args.compile:
         os.environ[checksum_kernel.COMPILE_ENV] = "1"
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -398,6 +397,8 @@ async def main() -> None:
         fake_engines(*specs) as urls,
         aiohttp.ClientSession(timeout=timeout, connector=connector) as session,
     ):
+        # After fake_engines, which sets one thread while its engines run.
+        torch.set_num_threads(args.threads)
         pairs = {"off": (urls[0], urls[1]), "on": (urls[2], urls[3])}
         print(
             f"fake engines: {args.layers} layers, {args.kv_heads} KV heads x "
