@@ -15,6 +15,7 @@ modes measured in the same run are the numbers to compare across machines.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ import torch
 
 from engine_patch import checksum_kernel, worker
 from engine_patch.config import KVChecksumConfig
-from engine_patch.host import CacheHitSource
+from engine_patch.host import CacheHitSource, FinishReason
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
 from engine_patch.scheduler import KVChecksumScheduler
@@ -638,6 +639,130 @@ def bench_scheduler(
     return 1e3 * statistics.median(times), payload_bytes
 
 
+@dataclass
+class _Finished(_Request):
+    finish_reason: int | None = None
+
+    def get_finished_reason(self) -> int | None:
+        return self.finish_reason
+
+
+class _KVCacheManager:
+    def __init__(self, blocks: _Blocks) -> None:
+        self.blocks = blocks
+
+    def get_blocks(self, request_id: str) -> _Blocks:
+        return self.blocks
+
+
+def bench_scheduler_lifecycle(
+    num_blocks: int,
+    *,
+    decode_steps: int = 4,
+    reps: int = 200,
+    scheduler_cls: type[KVChecksumScheduler] = KVChecksumScheduler,
+) -> dict[str, float]:
+    """CPU microseconds (median of ``reps``) of the scheduler's calls over
+    one P/D request of ``num_blocks`` blocks (block 16, one group, TP 1), as
+    an engine makes them, per side: the producer's (on_new_request; add_send,
+    build_checksum_meta, update_from_output of the prefill step;
+    request_finished) and the consumer's (on_new_request; add_recv and
+    build_checksum_meta of the step starting the load; update_from_output
+    verifying it; ``decode_steps`` steps of add_send and the rest;
+    request_finished); and of one idle step (build_checksum_meta and
+    update_from_output with nothing pending)."""
+    num_tokens = num_blocks * BLOCK_SIZE - 3
+    config = KVCacheConfig([KVCacheGroup(FullAttentionSpec(BLOCK_SIZE))])
+    producer, consumer = (
+        scheduler_cls(KVChecksumConfig(tp_size=1), config, _Connector())
+        for _ in range(2)
+    )
+    manager = _KVCacheManager(_Blocks([[_Block(i + 1) for i in range(num_blocks)]]))
+    values = np.random.default_rng(0).integers(
+        0, 2**63, size=(num_blocks, 1), dtype=np.uint64
+    )
+    fingerprint = 0x5EED
+
+    def record(req_id: str) -> KVChecksumRecord:
+        group = KVChecksumGroup(0, [(1, 0)], values.copy())
+        return KVChecksumRecord(
+            0, 0, {req_id: {0: group}}, fingerprints={0: fingerprint}
+        )
+
+    def produce(req_id: str) -> dict[str, Any]:
+        params: dict[str, Any] = {"do_remote_decode": True}
+        request = _Finished(req_id, params, num_tokens, num_tokens)
+        producer.on_new_request(request)
+        producer.add_send(request, num_tokens, manager)
+        producer.build_checksum_meta()
+        producer.update_from_output(_Output([record(req_id)], set()), set())
+        request.finish_reason = FinishReason.LENGTH
+        sent: dict[str, Any] = {"do_remote_prefill": True}
+        producer.request_finished(request, sent)
+        return sent
+
+    def consume(req_id: str, params: dict[str, Any]) -> None:
+        request = _Finished(req_id, params, num_tokens, num_tokens)
+        consumer.on_new_request(request)
+        consumer.add_recv(request, manager.blocks, 0)
+        consumer.build_checksum_meta()
+        consumer.update_from_output(_Output([], set()), set())
+        consumer.build_checksum_meta()
+        failed = consumer.update_from_output(_Output([record(req_id)], {req_id}), set())
+        assert not failed, consumer.take_load_failures()
+        for step in range(decode_steps):
+            request.num_computed_tokens = num_tokens + step
+            consumer.add_send(request, 1, manager)
+            consumer.build_checksum_meta()
+            consumer.update_from_output(_Output([], set()), set())
+        request.finish_reason = FinishReason.LENGTH
+        consumer.request_finished(request, None)
+
+    def idle() -> None:
+        consumer.build_checksum_meta()
+        consumer.update_from_output(_Output([], set()), set())
+
+    # Records are made outside the timed calls.
+    times: dict[str, list[float]] = {"producer": [], "consumer": [], "idle step": []}
+    for i in range(reps + 10):
+        req_id = f"r{i}"
+        start = time.thread_time()
+        params = produce(req_id)
+        mid = time.thread_time()
+        consume(req_id, params)
+        end = time.thread_time()
+        # A collection the request's garbage makes due is not the idle
+        # step's.
+        gc.collect()
+        before_idle = time.thread_time()
+        idle()
+        after = time.thread_time()
+        if i >= 10:
+            times["producer"].append(mid - start)
+            times["consumer"].append(end - mid)
+            times["idle step"].append(after - before_idle)
+    assert consumer.stats.verified == reps + 10, consumer.stats
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
+
+
+def print_scheduler_lifecycle() -> None:
+    print(
+        "\nscheduler per P/D request (CPU us, block 16, one group, TP 1; records "
+        "made outside; goal <= 50 us + 20 ns per block and side):"
+    )
+    print(
+        f"{'blocks':>7} {'producer':>9} {'consumer':>9} {'idle step':>10} {'goal':>7}"
+    )
+    for num_blocks in (12, 8192):
+        figures = bench_scheduler_lifecycle(
+            num_blocks, reps=200 if num_blocks < 100 else 20
+        )
+        print(
+            f"{num_blocks:>7} {figures['producer']:>9.1f} {figures['consumer']:>9.1f} "
+            f"{figures['idle step']:>10.2f} {50 + 0.02 * num_blocks:>7.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -651,8 +776,9 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument(
         "--parts",
-        default="small,large,scheduler",
-        help="what to run: small (requests), large (KV), scheduler",
+        default="small,large,scheduler,lifecycle",
+        help="what to run: small (requests), large (KV), scheduler, lifecycle "
+        "(the scheduler's calls per P/D request)",
     )
     parser.add_argument(
         "--baseline",
@@ -735,6 +861,8 @@ def main() -> None:
             f"reports): {verify_ms:.3f} ms (goal <= 1 ms)"
         )
         print(f"payload: {payload_bytes:.2f} bytes per block (msgpack; x4/3 in base64)")
+    if "lifecycle" in parts:
+        print_scheduler_lifecycle()
 
 
 if __name__ == "__main__":

@@ -2,19 +2,28 @@
 checksums on (fail-closed) vs off, in the same run.
 
 Two fake P/D pairs run in this process (``fake_engine.testing``): one with
-checksums off, one on. Per concurrency level, ``--rounds`` rounds each run
-both pairs over the same prompts, in alternating order; a request is a
-proxy's two legs straight to the engines: the prefill (max_tokens 1) and the
-decode, streamed. Prints, as on/off ratios, the medians and p90s of prefill
-latency, decode TTFT (its KV load and verification included) and their sum
-(the client's TTFT behind a proxy), with the spread of the per-round median
-ratios. Goal (issue 8): TTFT ratio <= 1.02 at concurrency 1 and 32.
+checksums off, one on. Per concurrency level ``c``, batches of ``c`` new
+prompts go through both pairs, one pair after the other, alternating which
+goes first (off-on, on-off, ...), so that load from other processes, which
+comes and goes over seconds, falls on both alike. A request is a proxy's two
+legs straight to the engines: the prefill (max_tokens 1) and the decode,
+streamed. The garbage collector runs between batches, and the heap made by
+the warm-up is frozen (``gc.freeze``, as vLLM does after startup).
 
-With ``--breakdown`` a last phase on the checksummed pair times every
-engine_patch call the engines make (worker and scheduler side), per request.
+Prints, as on/off ratios, the medians and p90s of prefill latency, decode
+TTFT (its KV load and verification included) and their sum (the client's
+TTFT behind a proxy); the median over batch pairs of each pair's on/off
+ratio of P/D TTFT medians (the estimate least moved by load that changes
+between batches), with its quartiles; the spread of per-round median ratios;
+CPU seconds per request of the whole process (engines and client). Goal
+(issue 8): P/D TTFT ratio <= 1.02 at concurrency 1 and 32.
+
+With ``--breakdown`` a last phase per level on the checksummed pair times
+every engine_patch call the engines make, per request and engine (producer,
+consumer), worker and scheduler side.
 
     .venv/bin/python benchmarks/bench_fake_engine.py [--rounds 3]
-        [--concurrency 1,32] [--requests 24] [--breakdown] [--compile]
+        [--concurrency 1,32] [--requests 32] [--breakdown] [--compile]
 
 The engines run as fast as the CPU goes (no simulated compute speed: the
 fake engine's simulated step time would absorb the checksums' time), so the
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import inspect
 import os
 import random
@@ -36,7 +46,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -47,6 +57,7 @@ from engine_patch import checksum_kernel
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.worker import KVChecksumWorker
 from fake_engine.config import Role
+from fake_engine.engine import Engine
 from fake_engine.testing import EngineSpec, fake_engines
 
 # What a proxy adds to the prefill's body.
@@ -60,6 +71,7 @@ PREFILL_PARAMS: dict[str, Any] = {
 }
 COMPLETIONS = "/v1/completions"
 METRICS = ("prefill", "decode TTFT", "P/D TTFT")
+PHASES = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,47 @@ class Sample:
     @property
     def values(self) -> tuple[float, float, float]:
         return (self.prefill, self.decode_ttft, self.prefill + self.decode_ttft)
+
+
+@dataclass
+class Batch:
+    """One batch of requests through one pair: their samples, the process's
+    CPU seconds and the garbage collector's seconds while it ran."""
+
+    samples: list[Sample]
+    cpu: float
+    gc: float
+
+    def median(self, index: int) -> float:
+        return statistics.median(s.values[index] for s in self.samples)
+
+
+@dataclass
+class Phase:
+    """A pair's batches at one concurrency level."""
+
+    batches: list[Batch] = field(default_factory=list)
+
+    def values(self, index: int) -> list[float]:
+        return [s.values[index] for b in self.batches for s in b.samples]
+
+    def per_request(self, attribute: str) -> float:
+        count = sum(len(b.samples) for b in self.batches)
+        return sum(getattr(b, attribute) for b in self.batches) / count
+
+
+class GCTimer:
+    """Seconds the garbage collector runs, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, event: str, info: dict[str, int]) -> None:
+        if event == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 async def pd_request(
@@ -115,21 +168,21 @@ async def pd_request(
     return Sample(prefilled - start, first - prefilled)
 
 
-async def run_phase(
+async def run_batch(
     session: aiohttp.ClientSession,
     urls: tuple[str, str],
     prompts: list[str],
-    concurrency: int,
     max_tokens: int,
-) -> list[Sample]:
-    """Every prompt through one pair, ``concurrency`` at a time."""
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(prompt: str) -> Sample:
-        async with limit:
-            return await pd_request(session, *urls, prompt, max_tokens)
-
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    gc_timer: GCTimer,
+) -> Batch:
+    """Every prompt through one pair at once, after a full collection."""
+    gc.collect()
+    gc_before = gc_timer.seconds
+    cpu = time.process_time()
+    samples = await asyncio.gather(
+        *(pd_request(session, *urls, p, max_tokens) for p in prompts)
+    )
+    return Batch(list(samples), time.process_time() - cpu, gc_timer.seconds - gc_before)
 
 
 def make_prompts(count: int, length: int, seed: int) -> list[str]:
@@ -143,45 +196,78 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
-def report(
-    concurrency: int, rounds: list[dict[str, list[Sample]]], *, shared: bool
-) -> None:
-    """Ratios on/off of the median and p90 of each metric over all rounds,
-    and the spread of per-round median ratios."""
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, q2, q3
+
+
+def report(concurrency: int, rounds: list[dict[str, Phase]], *, shared: bool) -> float:
+    """Print the level's ratios on/off; returns the P/D TTFT median ratio."""
+    phases = {p: Phase([b for r in rounds for b in r[p].batches]) for p in PHASES}
+    num_pairs = len(phases["on"].batches)
     print(
         f"\nconcurrency {concurrency}: {len(rounds)} rounds x "
-        f"{len(rounds[0]['on'])} requests per phase"
+        f"{len(rounds[0]['on'].batches) * concurrency} requests per pair, "
+        f"in {num_pairs} batch pairs of {concurrency}"
     )
     print(
         f"{'metric':<12} {'off ms':>8} {'on ms':>8} {'median on/off':>14} "
-        f"{'p90 on/off':>11} {'per-round median ratios':>28}"
+        f"{'p90 on/off':>11} {'paired [q1 median q3]':>23}   per-round median ratios"
     )
+    ratio = 0.0
     for index, name in enumerate(METRICS):
-        values = {
-            phase: [s.values[index] for r in rounds for s in r[phase]]
-            for phase in ("off", "on")
-        }
+        off, on = (statistics.median(phases[p].values(index)) for p in PHASES)
+        pairs = [
+            b_on.median(index) / b_off.median(index)
+            for b_off, b_on in zip(
+                phases["off"].batches, phases["on"].batches, strict=True
+            )
+        ]
         per_round = [
-            statistics.median(s.values[index] for s in r["on"])
-            / statistics.median(s.values[index] for s in r["off"])
+            statistics.median(r["on"].values(index))
+            / statistics.median(r["off"].values(index))
             for r in rounds
         ]
-        off, on = (statistics.median(values[p]) for p in ("off", "on"))
+        q1, q2, q3 = quartiles(pairs)
+        p90_ratio = p90(phases["on"].values(index)) / p90(phases["off"].values(index))
         print(
             f"{name:<12} {1e3 * off:>8.2f} {1e3 * on:>8.2f} {on / off:>14.3f} "
-            f"{p90(values['on']) / p90(values['off']):>11.3f} "
-            f"{' '.join(f'{r:.3f}' for r in per_round):>28}"
+            f"{p90_ratio:>11.3f} {q1:>7.3f} {q2:>7.3f} {q3:>7.3f}   "
+            + " ".join(f"{r:.3f}" for r in per_round)
+        )
+        ratio = on / off
+    for what, attribute in (("CPU/request", "cpu"), ("GC/request", "gc")):
+        off, on = (1e3 * phases[p].per_request(attribute) for p in PHASES)
+        print(
+            f"{what:<12} {off:>8.2f} {on:>8.2f} "
+            f"{on / off if off else float('nan'):>14.3f}"
         )
     if shared:
         print("(machine shared with other work: compare ratios, not ms)")
+    return ratio
 
 
 class CallTimes:
-    """Seconds spent in engine_patch's checksum calls, per method."""
+    """CPU seconds of the calling thread in engine_patch's checksum calls,
+    per engine and method (CPU, not wall time: a thread preempted by other
+    processes is not charged for it)."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
+    def __init__(self, owners: dict[int, str]) -> None:
+        # id() of each KVChecksumWorker and KVChecksumScheduler -> its engine.
+        self.owners = owners
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    @classmethod
+    def of(cls, engines: dict[str, Engine]) -> CallTimes:
+        owners = {}
+        for name, engine in engines.items():
+            owners[id(engine.checksums)] = name
+            for worker in engine.workers:
+                owners[id(worker.checksums)] = name
+        return cls(owners)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -201,27 +287,45 @@ class CallTimes:
 
     def _timed(self, key: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+        def timed(this: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
             try:
-                return method(*args, **kwargs)
+                return method(this, *args, **kwargs)
             finally:
-                self.seconds[key] += time.perf_counter() - start
-                self.calls[key] += 1
+                where = (self.owners.get(id(this), "?"), key)
+                self.seconds[where] += time.thread_time() - start
+                self.calls[where] += 1
 
         return timed
 
-    def print(self, requests: int) -> None:
-        print(f"\nchecksum calls during {requests} P/D requests (both engines):")
-        print(f"{'call':<45} {'calls':>7} {'ms total':>9} {'us/request':>11}")
-        for key, seconds in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
-            print(
-                f"{key:<45} {self.calls[key]:>7} {1e3 * seconds:>9.2f} "
-                f"{1e6 * seconds / requests:>11.1f}"
-            )
-        total = sum(self.seconds.values())
+    def print(self, requests: int, ttft: float, cpu: float) -> None:
         print(
-            f"{'total':<45} {'':>7} {1e3 * total:>9.2f} {1e6 * total / requests:>11.1f}"
+            f"\nchecksum calls per P/D request, CPU us ({requests} requests; "
+            f"shares of the median P/D TTFT on, {1e3 * ttft:.2f} ms, and of "
+            f"the process's CPU per request on, {1e3 * cpu:.2f} ms):"
+        )
+        print(f"{'engine':<9} {'call':<45} {'calls/req':>9} {'us/req':>8}")
+        for (engine, key), seconds in sorted(
+            self.seconds.items(), key=lambda kv: (kv[0][0], -kv[1])
+        ):
+            print(
+                f"{engine:<9} {key:<45} {self.calls[engine, key] / requests:>9.2f} "
+                f"{1e6 * seconds / requests:>8.1f}"
+            )
+        totals: dict[tuple[str, str], float] = defaultdict(float)
+        for (engine, key), seconds in self.seconds.items():
+            side = "worker" if key.startswith("KVChecksumWorker") else "scheduler"
+            totals[engine, side] += seconds / requests
+        for (engine, side), seconds in sorted(totals.items()):
+            print(
+                f"{engine:<9} {side + ' total':<45} {'':>9} {1e6 * seconds:>8.1f}"
+                f"  ({100 * seconds / ttft:.2f}% of TTFT, "
+                f"{100 * seconds / cpu:.2f}% of CPU)"
+            )
+        total = sum(totals.values())
+        print(
+            f"{'both':<9} {'total':<45} {'':>9} {1e6 * total:>8.1f}"
+            f"  ({100 * total / ttft:.2f}% of TTFT, {100 * total / cpu:.2f}% of CPU)"
         )
 
 
@@ -232,8 +336,9 @@ async def main() -> None:
     parser.add_argument(
         "--requests",
         type=int,
-        default=24,
-        help="requests per phase (at least 2x concurrency)",
+        default=32,
+        help="requests per pair and round (rounded up to whole batches; at "
+        "least 4 batches)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=370)
     parser.add_argument("--max-tokens", type=int, default=4)
@@ -257,20 +362,18 @@ async def main() -> None:
         help="the workers' fused (torch.compile) checksum kernel; compiled in "
         "the warm-up",
     )
-
     parser.add_argument(
         "--quiet-machine",
         action="store_true",
         help="the machine runs nothing else (drops the shared-machine note)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     if args.compile:
         os.environ[checksum_kernel.COMPILE_ENV] = "1"
     levels = [int(c) for c in args.concurrency.split(",")]
     blocks_per_request = -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
     # Both sides' blocks of every request in flight, and a producer's held ones.
-    num_blocks = 4 * blocks_per_request * max(args.requests, max(levels)) + 1
+    num_blocks = 4 * blocks_per_request * max(levels) + 1
     shape = dict(
         layers=args.layers,
         kv_heads=args.kv_heads,
@@ -287,12 +390,16 @@ async def main() -> None:
         for on in (False, True)
         for role in (Role.PRODUCER, Role.CONSUMER)
     ]
+    gc_timer = GCTimer()
+    gc.callbacks.append(gc_timer)
     timeout = aiohttp.ClientTimeout(total=300)
     connector = aiohttp.TCPConnector(limit=0)
     async with (
         fake_engines(*specs) as urls,
         aiohttp.ClientSession(timeout=timeout, connector=connector) as session,
     ):
+        # After fake_engines, which sets one thread while its engines run.
+        torch.set_num_threads(args.threads)
         pairs = {"off": (urls[0], urls[1]), "on": (urls[2], urls[3])}
         print(
             f"fake engines: {args.layers} layers, {args.kv_heads} KV heads x "
@@ -301,37 +408,62 @@ async def main() -> None:
             f"checksums on = fail-closed, {'compiled' if args.compile else 'eager'}; "
             f"torch threads {args.threads}"
         )
-        for pair in pairs.values():
-            await run_phase(
-                session, pair, make_prompts(8, args.prompt_tokens, 99), 4, 2
-            )
+        # Warm-up at every level: first-use allocations (and compiles) and
+        # connections, out of the measured batches.
+        for concurrency in levels:
+            for pair in pairs.values():
+                prompts = make_prompts(max(4, concurrency), args.prompt_tokens, 99)
+                await run_batch(session, pair, prompts, 2, gc_timer)
+        # What vLLM does after startup: the objects made so far (torch,
+        # aiohttp, the engines) are never scanned again, so a full collection
+        # inside a batch takes as long in either phase, and not hundreds of ms.
+        gc.collect()
+        gc.freeze()
         seed = 0
         for concurrency in levels:
-            count = max(args.requests, 2 * concurrency)
+            batches = max(4, -(-args.requests // concurrency))
             rounds = []
-            for index in range(args.rounds):
-                seed += 1
-                prompts = make_prompts(count, args.prompt_tokens, seed)
-                order = ("off", "on") if index % 2 == 0 else ("on", "off")
-                results = {}
-                for phase in order:
-                    results[phase] = await run_phase(
-                        session, pairs[phase], prompts, concurrency, args.max_tokens
-                    )
+            for _ in range(args.rounds):
+                results = {p: Phase() for p in PHASES}
+                for index in range(batches):
+                    seed += 1
+                    prompts = make_prompts(concurrency, args.prompt_tokens, seed)
+                    order = PHASES if index % 2 == 0 else PHASES[::-1]
+                    for phase in order:
+                        results[phase].batches.append(
+                            await run_batch(
+                                session,
+                                pairs[phase],
+                                prompts,
+                                args.max_tokens,
+                                gc_timer,
+                            )
+                        )
                 rounds.append(results)
             report(concurrency, rounds, shared=not args.quiet_machine)
-        if args.breakdown:
-            times = CallTimes()
-            count = max(args.requests, 2 * max(levels))
-            with times.installed():
-                await run_phase(
-                    session,
-                    pairs["on"],
-                    make_prompts(count, args.prompt_tokens, 1000),
-                    max(levels),
-                    args.max_tokens,
+            if args.breakdown:
+                on_ttft = statistics.median(
+                    s.values[2]
+                    for r in rounds
+                    for b in r["on"].batches
+                    for s in b.samples
                 )
-            times.print(count)
+                times = CallTimes.of(
+                    {"producer": urls.engine(2), "consumer": urls.engine(3)}
+                )
+                count = 0
+                with times.installed():
+                    for _ in range(batches):
+                        seed += 1
+                        prompts = make_prompts(concurrency, args.prompt_tokens, seed)
+                        await run_batch(
+                            session, pairs["on"], prompts, args.max_tokens, gc_timer
+                        )
+                        count += concurrency
+                on_cpu = Phase(
+                    [b for r in rounds for b in r["on"].batches]
+                ).per_request("cpu")
+                times.print(count, on_ttft, on_cpu)
 
 
 if __name__ == "__main__":

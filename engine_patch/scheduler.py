@@ -25,6 +25,7 @@ default); under fail-open they are logged and counted and proceed.
 
 from __future__ import annotations
 
+import base64
 import enum
 import logging
 from collections.abc import Sequence
@@ -561,7 +562,9 @@ class KVChecksumScheduler:
         data = payload.to_bytes()
         self._to_send[req_id] = data
         if kv_transfer_params is not None:
-            kv_transfer_params[KV_TRANSFER_PARAMS_KEY] = payload.to_base64()
+            kv_transfer_params[KV_TRANSFER_PARAMS_KEY] = base64.b64encode(data).decode(
+                "ascii"
+            )
 
     def take_kv_checksums_to_send(self) -> dict[str, bytes]:
         """The checksums of producer requests finished since the last call,
@@ -629,9 +632,12 @@ class KVChecksumScheduler:
                 if not checksums:
                     # No worker checksums it, e.g. it holds only drafter layers.
                     continue
-                values = np.zeros(len(block_ids) * per_block, dtype=np.uint64)
-                for group in checksums:
-                    values += group.values.sum(axis=1, dtype=np.uint64)
+                if len(checksums) == 1 and checksums[0].values.shape[1] == 1:
+                    values = checksums[0].values[:, 0]
+                else:
+                    values = np.zeros(len(block_ids) * per_block, dtype=np.uint64)
+                    for group in checksums:
+                        values += group.values.sum(axis=1, dtype=np.uint64)
                 # The payload's unit is the span: its "block size" and start.
                 groups[group_id] = (
                     pending.fingerprint(group_id),
@@ -764,8 +770,9 @@ class KVChecksumScheduler:
             )
         span, per_block = self._spans[group_id]
         sent = expected.groups.get(group_id)
+        checksums = [] if skipped else pending.group_checksums(group_id, per_block)
         # No worker checksums a group of only drafter layers, as if skipped.
-        unchecked = skipped or not pending.group_checksums(group_id, per_block)
+        unchecked = not checksums
         if unchecked or sent is None:
             if unchecked != (sent is None):
                 raise _Unverified(
@@ -799,10 +806,7 @@ class KVChecksumScheduler:
         )
         checks = [
             _chunk_sums(values, start * per_block, span, chunk_size, num_tokens)
-            for values in _sum_replicas(
-                pending.group_checksums(group_id, per_block),
-                len(block_ids) * per_block,
-            )
+            for values in _sum_replicas(checksums, len(block_ids) * per_block)
         ]
         first, num_chunks = checks[0][0], len(checks[0][1])
         chunks = _common_chunks(
@@ -814,10 +818,20 @@ class KVChecksumScheduler:
             expected.num_tokens,
         )
         bad = np.zeros(len(chunks), dtype=bool)
-        for _, sums in checks:
-            bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
+        if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:
+            # Consecutive (the usual case): compared as slices.
+            lo, hi = int(chunks[0]), int(chunks[-1]) + 1
+            for _, sums in checks:
+                bad |= (
+                    sums[lo - first : hi - first]
+                    != sent_sums[lo - sent_first : hi - sent_first]
+                )
+        else:
+            for _, sums in checks:
+                bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
         if not bad.any():
             self._check_covered(pending, group_id, chunks, chunk_size)
+            return []
         end = start + len(block_ids)
         # The consumer's blocks holding a bad chunk's spans.
         return sorted(
@@ -860,9 +874,13 @@ class KVChecksumScheduler:
             return
         # ``chunks`` is ascending without repeats: all of [lo, hi) are in it
         # iff that many of it are.
-        within = np.searchsorted(chunks, [lo, hi])
-        if within[1] - within[0] == hi - lo:
-            return
+        if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:
+            if chunks[0] <= lo and hi <= chunks[-1] + 1:
+                return
+        else:
+            within = np.searchsorted(chunks, [lo, hi])
+            if within[1] - within[0] == hi - lo:
+                return
         if isinstance(spec, MambaSpec):
             where = "the state"
         else:
@@ -1030,6 +1048,8 @@ def _common_chunks(
         if num_valid_tokens(chunk, chunk_size, num_tokens)
         == num_valid_tokens(chunk, chunk_size, sent_num_tokens)
     ]
+    if len(tail) == hi - split:
+        return np.arange(lo, hi)
     return np.concatenate([np.arange(lo, split), np.array(tail, dtype=np.int64)])
 
 
@@ -1043,9 +1063,13 @@ def _non_null_run(
         ValueError: If a null block follows a non-null one.
 
     """
-    block_ids: list[int] = []
+    run = blocks[first:end]
+    block_ids = [block.block_id for block in run if not block.is_null]
+    if len(block_ids) == len(run):
+        return (first, block_ids) if block_ids else None
+    block_ids = []
     offset = 0
-    for block in blocks[first:end]:
+    for block in run:
         if not block.is_null:
             block_ids.append(block.block_id)
         elif block_ids:
@@ -1066,6 +1090,9 @@ def _sum_replicas(
         _Unverified: If a check misses a copy.
 
     """
+    if len(groups) == 1 and groups[0].replica_keys == [(1, 0)]:
+        # One worker holding every head once (TP 1): no sums to make.
+        return [groups[0].values[:, 0]]
     totals: dict[ReplicaKey, np.ndarray] = {}
     for group in groups:
         for column, key in enumerate(group.replica_keys):

@@ -8,6 +8,8 @@ import contextlib
 import logging
 import signal
 
+import torch
+
 from fake_engine.config import (
     DTYPES,
     EngineConfig,
@@ -110,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument(
         "--decode-tokens-per-s", type=float, default=None, help="per request"
     )
+    add(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (the engine's tensors are tiny: more "
+        "threads only contend for cores)",
+    )
     add("--log-level", default="INFO")
     return parser
 
@@ -187,6 +196,9 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.torch_threads < 1:
+        parser.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
     try:
         import uvloop
     except ImportError:

@@ -527,7 +527,9 @@ class Engine:
     def _update(self, step: _Step, result: _StepResult) -> None:
         """The scheduler's part after a step (``update_from_output``)."""
         failed: dict[str, str] = {}
-        if self.checksums is not None:
+        # A step with no checksums reported and no load finished has nothing
+        # to verify.
+        if self.checksums is not None and (result.records or step.finished_loads):
             output = _ConnectorOutput(result.records, set(step.finished_loads))
             skip = {
                 req_id for req_id, load in step.finished_loads.items() if load.error

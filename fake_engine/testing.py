@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import torch
+
 from fake_engine.config import EngineConfig
 from fake_engine.engine import Engine
 from fake_engine.server import EngineServer
@@ -39,9 +41,15 @@ class EngineURLs(list[str]):
 async def fake_engines(
     *specs: EngineSpec, host: str = "127.0.0.1"
 ) -> AsyncIterator[EngineURLs]:
-    """Start an engine per spec; stop them all on exit."""
+    """Start an engine per spec; stop them all on exit.
+
+    Torch runs one intra-op thread meanwhile (``torch_threads``): each
+    engine computes in a thread of its own on tiny tensors.
+    """
     servers: list[EngineServer] = []
     urls = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for spec in specs:
             server = EngineServer(Engine(spec))
@@ -52,3 +60,4 @@ async def fake_engines(
     finally:
         for server in servers:
             await server.stop()
+        torch.set_num_threads(threads)

@@ -56,6 +56,11 @@ class TPWorker:
         )
         self.checksums: KVChecksumWorker | None = None
         if config.kv_checksums:
+            # Eager unless KVGUARD_CHECKSUM_COMPILE=1: on a fake engine's small
+            # passes the fused kernel saves little (one request's pass is
+            # mostly per-call overhead either way; it pays off from several
+            # requests a pass), and its compile (20-45 s on a CPU, per
+            # process and KV shape) would land in tests.
             self.checksums = KVChecksumWorker(self.kv_layers(), tp_rank=rank)
         # Checksum work so far, exported like vLLM's connector does (throughput).
         self.checksum_bytes = 0

@@ -8,6 +8,7 @@ import logging
 
 import aiohttp
 import pytest
+import torch
 from fake_engine_helpers import (
     CHAT,
     COMPLETIONS,
@@ -338,3 +339,18 @@ async def test_fault_admin_validates_and_reports(
             "remaining": 3,
             "injected": {},
         }
+
+
+async def test_in_process_engines_compute_on_one_torch_thread_until_they_stop() -> None:
+    # Each engine computes in its own thread on tiny tensors: more intra-op
+    # threads per engine only oversubscribe the cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async with fake_engines(EngineSpec(), EngineSpec()) as urls:
+            for index in range(2):
+                executor = urls.engine(index)._executor
+                assert executor.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -76,6 +76,7 @@ def test_fail_closed_is_the_default_and_fail_open_an_explicit_opt_in(
         ["--kv-checksums=maybe"],
         ["--tp-size=3"],
         ["--fault-rate=2"],
+        ["--torch-threads=0"],
     ],
 )
 def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
