@@ -87,6 +87,8 @@ async def _body(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Str
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _Invalid(f"bad request body: {exc}") from None
+    except RecursionError:
+        raise _Invalid("bad request body: nested too deeply") from None
 
 
 def _listing(state: ProxyState) -> web.Response:

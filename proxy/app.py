@@ -294,7 +294,7 @@ async def _models(request: web.Request) -> web.Response:
                 data = _decode_json(await resp.read())
                 entries = data.get("data") if isinstance(data, dict) else None
                 return [e for e in entries or [] if isinstance(e, dict) and "id" in e]
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, RecursionError):
             return []
 
     union: dict[str, dict[str, Any]] = {}
@@ -329,7 +329,9 @@ def create_app(
     """
     state = ProxyState(config, None if source is None else str(source))
     # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
-    app = web.Application(client_max_size=1 << 40)
+    app = web.Application(
+        client_max_size=1 << 40,
+    )
     app[STATE] = state
     flow = Flow(state)
     app.router.add_post("/v1/completions", flow.completions)

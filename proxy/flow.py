@@ -172,6 +172,11 @@ class Flow:
                 started=started,
                 deadline=started + cfg.timeouts.total_s,
             )
+            try:
+                self._prepare(req)
+            except BadRequest as exc:
+                metrics.count_request(label, "bad_request")
+                return error_response(400, exc.message, request_id, exc.param)
             return await self._serve(req)
         finally:
             st.in_flight -= 1
@@ -191,10 +196,13 @@ class Flow:
                 raise _TooLarge
         return bytes(buf)
 
-    # -------------------------------------------------------------- attempts
+    @staticmethod
+    def _prepare(req: _Request) -> None:
+        """Builds what every attempt sends: the prefill body, the routing key.
 
-    async def _serve(self, req: _Request) -> web.StreamResponse:
-        st = self.state
+        Raises:
+            BadRequest: the body cannot be re-encoded (nested too deeply).
+        """
         cfg = req.config
         pools = req.pools
         if (
@@ -203,6 +211,13 @@ class Flow:
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
         req.prefill_body = prefill_body(req.body)
+
+    # -------------------------------------------------------------- attempts
+
+    async def _serve(self, req: _Request) -> web.StreamResponse:
+        st = self.state
+        cfg = req.config
+        pools = req.pools
         probing = cfg.health.enabled
         avoid_p: set[Instance] = set()
         avoid_d: set[Instance] = set()
@@ -748,7 +763,7 @@ def _snippet(data: bytes, limit: int = 300) -> str:
             return str(obj["error"].get("message", obj["error"]))[:limit]
         if isinstance(obj, dict) and "message" in obj:
             return str(obj["message"])[:limit]
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         pass
     return data[:limit].decode("utf-8", "replace")
 

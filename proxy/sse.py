@@ -37,7 +37,7 @@ def error_message(data: bytes) -> str | None:
         return None
     try:
         obj = _decode_json(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if not isinstance(obj, dict) or "error" not in obj:
         return None

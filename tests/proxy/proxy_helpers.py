@@ -68,7 +68,10 @@ class StubEngine:
         if request.content_type != "application/json":  # as vLLM
             return web.json_response({"error": {"message": "not JSON"}}, status=415)
         raw = await request.read()
-        body = msgspec.json.decode(raw)
+        try:
+            body = msgspec.json.decode(raw)
+        except RecursionError:
+            body = {"unparsable": True}
         self.requests.append((request.path, request.headers.copy(), body))
         rid = request.headers.get("X-Request-Id", "none")
         if self.mode == "bad400":

@@ -1,0 +1,68 @@
+"""Clients that try to break the proxy: every answer is OpenAI error JSON, and
+no client can lock others out or reach what it must not (issue 10)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import msgspec
+from multidict import CIMultiDict
+from proxy_helpers import make_config, run_proxy
+
+COMPLETION = {"prompt": "hi", "max_tokens": 4}
+
+
+async def raw_exchange(url: str, data: bytes) -> bytes:
+    """Sends ``data`` on a fresh socket and returns everything until EOF."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def parse_reply(raw: bytes) -> tuple[int, CIMultiDict[str], bytes]:
+    """(status, headers, body) of one HTTP/1.1 reply."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers[name.strip()] = value.strip()
+    return int(status_line.split()[1]), CIMultiDict(headers), body
+
+
+def assert_openai_error(status: int, headers: Mapping[str, str], body: bytes) -> dict:
+    assert headers["Content-Type"].startswith("application/json"), (status, body)
+    error = msgspec.json.decode(body)["error"]
+    assert error["code"] == status
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    return error
+
+
+# --------------------------------------------------------------- item 1
+
+
+async def test_deeply_nested_json_is_a_400_in_openai_error_json(stubs):
+    # A body the proxy can parse goes on, and these backends refuse it with 400;
+    # around the interpreter's recursion limit either way must give a 400.
+    p, d = await stubs("bad400"), await stubs("bad400")
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        for depth in (*range(900, 1001, 5), 2000, 100_000):
+            nested = b"[" * depth + b"]" * depth
+            for route, field in (
+                ("/v1/completions", b"prompt"),
+                ("/v1/chat/completions", b"messages"),
+            ):
+                body = b'{"%s": %s, "max_tokens": 1}' % (field, nested)
+                resp = await px.post(route, body)
+                assert resp.status == 400, (depth, await resp.text())
+                error = assert_openai_error(400, resp.headers, await resp.read())
+                if depth >= 1000:  # refused by the proxy itself
+                    assert "nested" in error["message"]
