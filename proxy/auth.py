@@ -9,11 +9,15 @@ from proxy.config import AuthConfig, ConfigError, read_secret
 
 
 def bearer(headers: Mapping[str, str]) -> bytes | None:
-    """The token of an ``Authorization: Bearer`` header, as bytes."""
+    """The token of an ``Authorization: Bearer`` header, as bytes.
+
+    aiohttp keeps bytes that are not UTF-8 as surrogates; they come back as
+    the client's bytes, which then simply match no key.
+    """
     value = headers.get("Authorization")
     if value is None or value[:7].lower() != "bearer ":
         return None
-    return value[7:].strip().encode()
+    return value[7:].strip().encode("utf-8", "surrogateescape")
 
 
 class Keys:

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Mapping
 
 import msgspec
+import pytest
 from multidict import CIMultiDict
 from proxy_helpers import make_config, run_proxy
 
@@ -66,3 +67,30 @@ async def test_deeply_nested_json_is_a_400_in_openai_error_json(stubs):
                 error = assert_openai_error(400, resp.headers, await resp.read())
                 if depth >= 1000:  # refused by the proxy itself
                     assert "nested" in error["message"]
+
+
+# --------------------------------------------------------------- item 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models", "/admin/instances"])
+async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
+    monkeypatch.setenv("TEST_KEYS", "k1")
+    monkeypatch.setenv("ADM", "adm")
+    p, d = await stubs(), await stubs()
+    config = make_config(
+        [p.url], [d.url], auth={"api_keys_env": "TEST_KEYS", "admin_key_env": "ADM"}
+    )
+    async with run_proxy(config) as px:
+        method = "GET" if path != "/v1/completions" else "POST"
+        body = msgspec.json.encode(COMPLETION)
+        raw = await raw_exchange(
+            px.url,
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n".encode()
+            + b"Authorization: Bearer \xff\xfe\x80k1\r\n\r\n"
+            + body,
+        )
+    status, headers, payload = parse_reply(raw)
+    assert status == 401
+    assert_openai_error(status, headers, payload)
+    assert p.requests == []
