@@ -38,6 +38,7 @@ from proxy.health import Health
 from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
+from proxy.server import json_errors
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -321,17 +322,16 @@ def create_app(
     """The proxy's aiohttp application for ``config``.
 
     ``source`` is the YAML file that SIGHUP and POST /admin/reload re-read.
-    Run it with ``handler_cancellation=True`` so that a client's disconnect
-    cancels both legs (``proxy.cli`` does).
+    Run it with ``proxy.server.ProxyRunner`` (errors aiohttp answers itself
+    then come in OpenAI JSON too) and ``handler_cancellation=True``, so that
+    a client's disconnect cancels both legs (``proxy.cli`` does both).
 
     Raises:
         ConfigError: a key the configuration names cannot be read.
     """
     state = ProxyState(config, None if source is None else str(source))
     # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
-    app = web.Application(
-        client_max_size=1 << 40,
-    )
+    app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state
     flow = Flow(state)
     app.router.add_post("/v1/completions", flow.completions)

@@ -30,6 +30,7 @@ from proxy.config import (
     json_schema,
     load_config,
 )
+from proxy.server import ProxyRunner
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -144,7 +145,7 @@ async def serve(
     """Serves until SIGINT/SIGTERM (or ``stop``); SIGHUP reloads ``source``."""
     app = create_app(config, source)
     state = app[STATE]
-    runner = web.AppRunner(
+    runner = ProxyRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=10
     )
     await runner.setup()

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.app import STATE, ProxyState, create_app
 from proxy.config import ProxyConfig
+from proxy.server import ProxyRunner
 
 MARKER = "KV checksum mismatch"
 
@@ -273,7 +274,7 @@ async def run_proxy(
 ) -> AsyncIterator[RunningProxy]:
     """Serves ``config`` on a free port the way ``kvguard proxy`` does."""
     app = create_app(config, source)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = ProxyRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

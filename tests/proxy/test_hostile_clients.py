@@ -94,3 +94,53 @@ async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
     assert status == 401
     assert_openai_error(status, headers, payload)
     assert p.requests == []
+
+
+# --------------------------------------------------------------- item 8
+
+
+@pytest.mark.parametrize(
+    ("name", "request_bytes", "status"),
+    [
+        (
+            "10KB X-Request-Id",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: "
+            + b"a" * 10_000
+            + b"\r\nContent-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        (
+            "bare LF inside a header value",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        (
+            "NUL in a header",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        ("garbage request line", b"\x16\x03\x01 hello\r\n\r\n", 400),
+        (
+            "unknown path",
+            b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            404,
+        ),
+        (
+            "wrong method",
+            b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            405,
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+async def test_every_error_the_proxy_writes_is_openai_json(
+    stubs, name, request_bytes, status
+):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        raw = await raw_exchange(px.url, request_bytes)
+    got, headers, body = parse_reply(raw)
+    assert got == status, (name, raw[:300])
+    assert_openai_error(status, headers, body)
