@@ -128,6 +128,11 @@ class TimeoutsConfig(_Strict):
         default=30.0, gt=0, description="Stream: longest gap between chunks"
     )
     total_s: float = Field(default=600.0, gt=0)
+    request_body_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait for a client's whole request body, then 408",
+    )
 
 
 class HealthConfig(_Strict):

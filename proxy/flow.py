@@ -117,7 +117,12 @@ class Flow:
         return await self.handle(request, Route.CHAT)
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
-        """Checks the request, then runs attempts until one answers."""
+        """Checks the request, then runs attempts until one answers.
+
+        Only a request whose body has arrived counts against
+        ``limits.max_in_flight``: a client that never sends its body holds
+        its own connection until ``timeouts.request_body_s``, nothing more.
+        """
         st = self.state
         cfg = st.config
         metrics = st.metrics
@@ -129,6 +134,25 @@ class Flow:
         ):
             metrics.count_request(label, "unauthorized")
             return error_response(401, "Invalid or missing API key", request_id)
+        try:
+            async with asyncio.timeout(cfg.timeouts.request_body_s):
+                raw = await self._read_body(request, cfg.limits.max_body_bytes)
+        except _TooLarge:
+            metrics.count_request(label, "too_large")
+            return error_response(
+                413,
+                f"Request body exceeds {cfg.limits.max_body_bytes} bytes",
+                request_id,
+            )
+        except TimeoutError:
+            metrics.count_request(label, "body_timeout")
+            resp = error_response(
+                408,
+                f"Request body not received within {cfg.timeouts.request_body_s:g}s",
+                request_id,
+            )
+            resp.force_close()
+            return resp
         if st.in_flight >= cfg.limits.max_in_flight:
             metrics.count_request(label, "rejected")
             return error_response(
@@ -139,15 +163,6 @@ class Flow:
         st.in_flight += 1
         metrics.in_flight.inc()
         try:
-            try:
-                raw = await self._read_body(request, cfg.limits.max_body_bytes)
-            except _TooLarge:
-                metrics.count_request(label, "too_large")
-                return error_response(
-                    413,
-                    f"Request body exceeds {cfg.limits.max_body_bytes} bytes",
-                    request_id,
-                )
             try:
                 body = parse_request(raw, route)
             except BadRequest as exc:

@@ -144,3 +144,44 @@ async def test_every_error_the_proxy_writes_is_openai_json(
     got, headers, body = parse_reply(raw)
     assert got == status, (name, raw[:300])
     assert_openai_error(status, headers, body)
+
+
+# --------------------------------------------------------------- item 5
+
+
+async def test_clients_that_never_send_their_body_lock_nobody_out(stubs):
+    p, d = await stubs(), await stubs()
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_in_flight": 2},
+        timeouts={"request_body_s": 1.0},
+    )
+    async with run_proxy(config) as px:
+        host, port = px.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(8):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
+            await writer.drain()
+            stalled.append((reader, writer))
+        await asyncio.sleep(0.2)  # their handlers are waiting for the body
+        for _ in range(3):
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+        started = asyncio.get_running_loop().time()
+        for reader, writer in stalled:
+            async with asyncio.timeout(5):
+                raw = await reader.readuntil(b"\r\n\r\n")
+                _, headers, _ = parse_reply(raw)
+                raw += await reader.readexactly(int(headers["Content-Length"]))
+            writer.close()
+            status, headers, body = parse_reply(raw)
+            assert status == 408
+            assert_openai_error(status, headers, body)
+        waited = asyncio.get_running_loop().time() - started
+        assert waited < 3  # the body wait is bounded
+        assert px.state.in_flight == 0
