@@ -266,7 +266,13 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[STATE].metrics.registry
+    """Prometheus text; behind ``auth.metrics_key_*`` when configured."""
+    state = request.app[STATE]
+    if state.auth.metrics.required and not state.auth.metrics.accepts(
+        bearer(request.headers)
+    ):
+        return error_response(401, "Invalid or missing metrics key")
+    registry = state.metrics.registry
     body = await asyncio.to_thread(generate_latest, registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

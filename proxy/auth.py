@@ -43,10 +43,17 @@ class Keys:
 class Auth:
     """What the configuration's ``auth`` section resolves to at (re)load."""
 
-    def __init__(self, clients: Keys, admin: Keys, backend_key: str | None) -> None:
+    def __init__(
+        self,
+        clients: Keys,
+        admin: Keys,
+        backend_key: str | None,
+        metrics: Keys | None = None,
+    ) -> None:
         self.clients = clients
         self.admin = admin
         self.backend_key = backend_key
+        self.metrics = metrics or Keys([])
 
     @classmethod
     def from_config(cls, cfg: AuthConfig) -> Auth:
@@ -62,4 +69,12 @@ class Auth:
         )
         if len(backend) > 1:
             raise ConfigError("auth.backend_api_key: expected one key, found several")
-        return cls(Keys(clients), Keys(admin), backend[0] if backend else None)
+        metrics = read_secret(
+            cfg.metrics_key_env, cfg.metrics_key_file, "auth.metrics_key"
+        )
+        return cls(
+            Keys(clients),
+            Keys(admin),
+            backend[0] if backend else None,
+            Keys(metrics),
+        )

@@ -185,6 +185,12 @@ class AuthConfig(_Strict):
         default=None, description="Env var with the key sent to backends"
     )
     backend_api_key_file: str | None = None
+    metrics_key_env: str | None = Field(
+        default=None,
+        description="Env var with the keys /metrics requires (it names the "
+        "backends' URLs); unset: /metrics is open",
+    )
+    metrics_key_file: str | None = None
 
 
 class RoutingConfig(_Strict):

@@ -290,3 +290,21 @@ async def test_ejected_instance_is_probed_back_after_its_cooldown(stubs):
         p.mode = "ok"
         await px.state.health.check_all()
         assert not inst.ejected and inst.healthy
+
+
+async def test_metrics_can_be_put_behind_a_key(stubs, monkeypatch):
+    monkeypatch.setenv("SCRAPE_KEY", "prom")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"metrics_key_env": "SCRAPE_KEY"})
+    async with run_proxy(config) as px:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            async with px.session.get(px.url + "/metrics", headers=headers) as resp:
+                assert resp.status == 401
+                body = await resp.json()
+                assert body["error"]["type"] == "AuthenticationError"
+                assert p.url not in await resp.text()
+        async with px.session.get(
+            px.url + "/metrics", headers={"Authorization": "Bearer prom"}
+        ) as resp:
+            assert resp.status == 200
+            assert p.url in await resp.text()
