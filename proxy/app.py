@@ -39,6 +39,7 @@ from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
 from proxy.server import json_errors
+from proxy.upstream import Upstream
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -58,6 +59,7 @@ class ProxyState:
         self.health = Health(self)
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_task: asyncio.Task[None] | None = None
         self.config = config
@@ -176,16 +178,23 @@ class ProxyState:
             raise RuntimeError("the proxy's client session is not started")
         return self._session
 
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("the proxy's client session is not started")
+        return self._upstream
+
     async def start(self, app: web.Application | None = None) -> None:
-        """Opens the pooled session and starts health checks."""
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300
+        """Opens the pooled session and starts health checks.
+
+        ``timeouts.backend_keepalive_s`` is read here: a reload keeps the pool.
+        """
+        reconnects = self.metrics.reconnects
+        self._upstream = Upstream(
+            self.config.timeouts.backend_keepalive_s,
+            lambda role: reconnects.labels(role).inc(),
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            skip_auto_headers=("User-Agent",),
-        )
+        self._session = self._upstream.session
         self._health_task = asyncio.create_task(self.health.run())
 
     async def stop(self, app: web.Application | None = None) -> None:
@@ -195,8 +204,8 @@ class ProxyState:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2)
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Runs ``coro`` in the background, keeping a reference until it ends."""

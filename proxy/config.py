@@ -128,6 +128,12 @@ class TimeoutsConfig(_Strict):
         default=30.0, gt=0, description="Stream: longest gap between chunks"
     )
     total_s: float = Field(default=600.0, gt=0)
+    backend_keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Pooled backend connections idle longer are closed; keep it "
+        "below the backends' idle timeout (vLLM's uvicorn: 5 s). Read at start",
+    )
     request_body_s: float = Field(
         default=30.0,
         gt=0,

@@ -365,11 +365,12 @@ class Flow:
         started = time.monotonic()
         prefill.in_flight += 1
         try:
-            async with st.session.post(
+            async with await st.upstream.post(
                 prefill.urls[req.route.value],
-                data=req.prefill_body,
-                headers=headers,
-                timeout=timeout,
+                req.prefill_body,
+                headers,
+                timeout,
+                "prefill",
             ) as resp:
                 status = resp.status
                 body = await resp.read()
@@ -478,11 +479,8 @@ class Flow:
         )
         started = time.monotonic()
         try:
-            async with st.session.post(
-                decode.urls[req.route.value],
-                data=body,
-                headers=headers,
-                timeout=timeout,
+            async with await st.upstream.post(
+                decode.urls[req.route.value], body, headers, timeout, "decode"
             ) as resp:
                 status = resp.status
                 data = await resp.read()
@@ -526,11 +524,12 @@ class Flow:
         scanner = FirstEventScanner()
         try:
             async with asyncio.timeout(first_token_s):
-                resp = await st.session.post(
+                resp = await st.upstream.post(
                     decode.urls[req.route.value],
-                    data=body,
-                    headers=headers,
-                    timeout=st.stream_timeout,
+                    body,
+                    headers,
+                    st.stream_timeout,
+                    "decode",
                 )
                 entry["status"] = resp.status
                 if resp.status != 200:

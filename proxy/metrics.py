@@ -120,6 +120,13 @@ class ProxyMetrics:
             ["role", "instance", "kind"],
             registry=r,
         )
+        self.reconnects = Counter(
+            "kvguard_proxy_backend_reconnects",
+            "Requests retried on a new connection after a pooled one was closed "
+            "or reset before any reply byte (not held against the instance)",
+            ["role"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvguard_proxy_in_flight", "Client requests in flight", registry=r
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -56,7 +57,12 @@ class StubEngine:
     held: set[str] = field(default_factory=set)
     cancelled: int = 0
     chunk_delay: float = 0.0
+    # Resets (RST, before any reply) a request on a connection idle this long:
+    # what a client sees when it reuses a connection the server just closed.
+    reset_idle_s: float | None = None
+    resets: int = 0
     runner: web.AppRunner | None = None
+    _idle_since: dict[Any, float] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -65,7 +71,30 @@ class StubEngine:
     def bodies(self, path: str = "") -> list[dict[str, Any]]:
         return [b for p, _, b in self.requests if path in p]
 
+    def _reset_if_idle(self, request: web.Request) -> bool:
+        transport = request.transport
+        if self.reset_idle_s is None or transport is None:
+            return False
+        now = asyncio.get_running_loop().time()
+        since = self._idle_since.get(transport)
+        if since is None or now - since < self.reset_idle_s:
+            return False
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+        self.resets += 1
+        return True
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self._reset_if_idle(request):
+            return web.Response()
+        try:
+            return await self._answer(request)
+        finally:
+            if request.transport is not None:
+                self._idle_since[request.transport] = asyncio.get_running_loop().time()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "application/json":  # as vLLM
             return web.json_response({"error": {"message": "not JSON"}}, status=415)
         raw = await request.read()
