@@ -39,7 +39,7 @@ from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
 from proxy.server import json_errors
-from proxy.upstream import Upstream
+from proxy.upstream import ReplyTooLarge, Upstream, read_capped
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -307,10 +307,18 @@ async def _models(request: web.Request) -> web.Response:
             ) as resp:
                 if resp.status != 200:
                     return []
-                data = _decode_json(await resp.read())
+                data = _decode_json(
+                    await read_capped(resp, state.config.limits.max_reply_bytes)
+                )
                 entries = data.get("data") if isinstance(data, dict) else None
                 return [e for e in entries or [] if isinstance(e, dict) and "id" in e]
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, RecursionError):
+        except (
+            TimeoutError,
+            aiohttp.ClientError,
+            msgspec.DecodeError,
+            RecursionError,
+            ReplyTooLarge,
+        ):
             return []
 
     union: dict[str, dict[str, Any]] = {}

@@ -174,6 +174,12 @@ class EjectionConfig(_Strict):
 class LimitsConfig(_Strict):
     max_in_flight: int = Field(default=4096, ge=1, description="Above it: 429")
     max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1024, description="413")
+    max_reply_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest backend reply read (prefill JSON, non-streamed "
+        "decode); a larger one fails the attempt",
+    )
 
 
 class AuthConfig(_Strict):

@@ -38,6 +38,7 @@ from proxy.body import (
 from proxy.errors import error_event, error_response
 from proxy.instances import Instance, ModelPools
 from proxy.sse import DONE, First, FirstEventScanner
+from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from proxy.app import ProxyState
@@ -373,8 +374,13 @@ class Flow:
                 "prefill",
             ) as resp:
                 status = resp.status
-                body = await resp.read()
+                body = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
+        except ReplyTooLarge as exc:
+            st.metrics.upstream_failures.labels(
+                "prefill", prefill.url, "prefill_reply_too_large"
+            ).inc()
+            return Failure("prefill_reply_too_large", f"prefill {exc}", "prefill")
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
@@ -483,8 +489,13 @@ class Flow:
                 decode.urls[req.route.value], body, headers, timeout, "decode"
             ) as resp:
                 status = resp.status
-                data = await resp.read()
+                data = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
+        except ReplyTooLarge as exc:
+            st.metrics.upstream_failures.labels(
+                "decode", decode.url, "decode_reply_too_large"
+            ).inc()
+            return Failure("decode_reply_too_large", f"decode {exc}", "decode")
         except (TimeoutError, aiohttp.ClientError) as exc:
             return self._decode_transport_failure(decode, exc, timeout)
         st.metrics.leg_decode.observe(time.monotonic() - started)

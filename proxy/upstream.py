@@ -17,6 +17,34 @@ import aiohttp
 from yarl import URL
 
 
+class ReplyTooLarge(Exception):
+    """A backend's reply body is larger than the configured limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"reply exceeds {limit} bytes")
+        self.limit = limit
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of ``resp``, refused beyond ``limit`` bytes.
+
+    Raises:
+        ReplyTooLarge: the body (announced or read so far) exceeds ``limit``.
+        aiohttp.ClientError: the connection broke.
+    """
+    length = resp.content_length
+    if length is not None:
+        if length > limit:
+            raise ReplyTooLarge(limit)
+        return await resp.read()
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise ReplyTooLarge(limit)
+    return bytes(buf)
+
+
 class Upstream:
     """A pooled session for every call, and a non-pooled one for retries."""
 

@@ -61,6 +61,10 @@ class StubEngine:
     # what a client sees when it reuses a connection the server just closed.
     reset_idle_s: float | None = None
     resets: int = 0
+    # Pads each JSON reply (prefill, non-stream decode) with this many bytes,
+    # sent chunked (no Content-Length) when ``chunked``.
+    pad_bytes: int = 0
+    chunked: bool = False
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -93,6 +97,22 @@ class StubEngine:
         finally:
             if request.transport is not None:
                 self._idle_since[request.transport] = asyncio.get_running_loop().time()
+
+    async def _json(
+        self, request: web.Request, obj: dict[str, Any]
+    ) -> web.StreamResponse:
+        if self.pad_bytes:
+            obj = {**obj, "padding": "x" * self.pad_bytes}
+        if not self.chunked:
+            return web.json_response(obj)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        data = msgspec.json.encode(obj)
+        for i in range(0, len(data), 65536):
+            await resp.write(data[i : i + 65536])
+        await resp.write_eof()
+        return resp
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "application/json":  # as vLLM
@@ -131,7 +151,8 @@ class StubEngine:
         if kvp and kvp.get("do_remote_decode"):
             internal = f"internal-{rid}"
             self.held.add(internal)
-            return web.json_response(
+            return await self._json(
+                request,
                 {
                     "id": rid,
                     "choices": [{"index": 0, "text": expected_text(prompt, 1)}],
@@ -147,7 +168,7 @@ class StubEngine:
                         "kv_checksums": "AAEC",
                         "future_field": {"x": 1},
                     },
-                }
+                },
             )
         if self.mode == "hang":  # stuck before pulling the KV
             try:
@@ -177,12 +198,13 @@ class StubEngine:
         if not stream:
             if failed:
                 return web.json_response(err, status=500)
-            return web.json_response(
+            return await self._json(
+                request,
                 {
                     "id": rid,
                     "object": "text_completion",
                     "choices": [{"index": 0, "text": text}],
-                }
+                },
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from proxy_helpers import make_config, run_proxy
 
 from proxy.config import TimeoutsConfig
@@ -41,3 +42,42 @@ async def test_reset_on_a_reused_connection_is_retried_and_not_held_against_it(
     assert "kvguard_proxy_upstream_failures_total{" not in metrics
     assert "kvguard_proxy_retries_total{" not in metrics
     assert 'kvguard_proxy_backend_reconnects_total{role="prefill"}' in metrics
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_oversized_prefill_reply_fails_the_attempt_saying_why(stubs, chunked):
+    big, ok, d = (
+        await stubs(pad_bytes=200_000, chunked=chunked),
+        await stubs(),
+        await stubs(),
+    )
+    config = make_config(
+        [big.url, ok.url],
+        [d.url],
+        limits={"max_reply_bytes": 65536},
+        retry={"backoff_base_s": 0},
+    )
+    async with run_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them tries the big one first
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+        metrics = await px.metrics()
+    assert 'kvguard_proxy_retries_total{reason="prefill_reply_too_large"} 1.0' in (
+        metrics
+    )
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
+    p, d = await stubs(), await stubs(pad_bytes=200_000, chunked=chunked)
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_reply_bytes": 65536},
+        retry={"backoff_base_s": 0, "max_attempts": 1},
+    )
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        body = await resp.json()
+    assert resp.status >= 500
+    assert "exceeds 65536 bytes" in body["error"]["message"]
