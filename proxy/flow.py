@@ -5,7 +5,9 @@ that fails before its first data (5xx, connection error, error event, empty
 stream, first-token timeout) after a good prefill is retried on another
 prefill (and another decode where one exists); once a byte has gone to the
 client nothing is retried and a failure ends the stream with an error event.
-A 4xx from either leg goes back to the client unchanged.
+A 4xx from either leg goes back to the client unchanged. A request that
+fails alike on two instances (its content, not the instances, is at fault)
+fails at once and counts against neither.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -61,11 +63,22 @@ class _TooLarge(Exception):
 
 @dataclass(slots=True)
 class Failure:
-    """Why an attempt failed before the client's first byte; it may be retried."""
+    """Why an attempt failed before the client's first byte; it may be retried.
+
+    ``answered`` failures are ones the instance answered (a 5xx, an error
+    event, an empty or oversized reply): the request's own content may have
+    caused them, so they count against ``instance`` only once the request is
+    over and did not fail alike elsewhere (see ``Flow._serve``). Connection
+    failures and timeouts say something about the instance and count at once.
+    """
 
     reason: str  # metric label: kv_integrity, decode_5xx, prefill_connect, ...
     message: str
     role: str  # the leg that failed: "prefill" or "decode"
+    answered: bool = False
+    instance: Instance | None = None  # the instance that answered it
+    prefill: Instance | None = None  # a decode's prefill (its KV's source)
+    status: int = 502  # what the client gets if the request itself is at fault
 
 
 @dataclass(slots=True)
@@ -83,6 +96,7 @@ class _Request:
     key: bytes = b""
     prefill_body: bytes = b""
     outcome: str | None = None
+    answered: list[Failure] = field(default_factory=list)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -231,6 +245,40 @@ class Flow:
     # -------------------------------------------------------------- attempts
 
     async def _serve(self, req: _Request) -> web.StreamResponse:
+        """Runs attempts until one answers, then settles the instances' health.
+
+        A request that fails alike on two instances (same leg, same reason;
+        for a decode, with different prefills too) is at fault itself: it
+        fails at once, for its client only, and counts against no instance.
+        """
+        try:
+            return await self._attempts(req)
+        finally:
+            self._settle(req)
+
+    def _settle(self, req: _Request) -> None:
+        """Counts the request's answered failures, once per instance."""
+        if req.outcome == "request_error":
+            return
+        counted: set[Instance] = set()
+        for failure in req.answered:
+            inst = failure.instance
+            if inst is not None and inst not in counted:
+                counted.add(inst)
+                self.state.health.note(inst, ok=False)
+
+    @staticmethod
+    def _failed_alike(req: _Request, failure: Failure) -> bool:
+        """``failure`` repeats an earlier one of ``req`` on other instances."""
+        return any(
+            f.role == failure.role
+            and f.reason == failure.reason
+            and f.instance is not failure.instance
+            and (f.role == "prefill" or f.prefill is not failure.prefill)
+            for f in req.answered
+        )
+
+    async def _attempts(self, req: _Request) -> web.StreamResponse:
         st = self.state
         cfg = req.config
         pools = req.pools
@@ -268,6 +316,16 @@ class Flow:
                 result = await self._attempt(req, attempt, attempt_id, prefill, decode)
                 if not isinstance(result, Failure):
                     return result
+                if result.answered:
+                    if self._failed_alike(req, result):
+                        self._finish(req, "request_error")
+                        return error_response(
+                            result.status,
+                            f"The request failed the same way on two {result.role} "
+                            f"instances: {result.message}",
+                            req.request_id,
+                        )
+                    req.answered.append(result)
                 failure = result
                 reason = f"{result.role} failed: {result.message}"
                 avoid_p.add(prefill)
@@ -279,6 +337,8 @@ class Flow:
                 result = await self._decode_only(req)
                 if not isinstance(result, Failure):
                     return result
+                if result.answered:
+                    req.answered.append(result)
                 reason = f"decode-only fallback failed: {result.message}"
         except asyncio.CancelledError:
             self._finish(req, "client_disconnected")
@@ -380,7 +440,13 @@ class Flow:
             st.metrics.upstream_failures.labels(
                 "prefill", prefill.url, "prefill_reply_too_large"
             ).inc()
-            return Failure("prefill_reply_too_large", f"prefill {exc}", "prefill")
+            return Failure(
+                "prefill_reply_too_large",
+                f"prefill {exc}",
+                "prefill",
+                answered=True,
+                instance=prefill,
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
@@ -392,11 +458,17 @@ class Flow:
         if 400 <= status < 500:
             return _passthrough(status, body, content_type, req.request_id)
         if status >= 300:
-            st.health.note(prefill, ok=False)
             st.metrics.upstream_failures.labels(
                 "prefill", prefill.url, "prefill_5xx"
             ).inc()
-            return Failure("prefill_5xx", f"HTTP {status}: {_snippet(body)}", "prefill")
+            return Failure(
+                "prefill_5xx",
+                f"HTTP {status}: {_snippet(body)}",
+                "prefill",
+                answered=True,
+                instance=prefill,
+                status=status if status >= 500 else 502,
+            )
         try:
             kv_params = kv_params_of(body)
         except msgspec.DecodeError:
@@ -404,7 +476,11 @@ class Flow:
                 "prefill", prefill.url, "prefill_bad_reply"
             ).inc()
             return Failure(
-                "prefill_bad_reply", "prefill reply is not a JSON object", "prefill"
+                "prefill_bad_reply",
+                "prefill reply is not a JSON object",
+                "prefill",
+                answered=True,
+                instance=prefill,
             )
         st.health.note(prefill, ok=True)
         return kv_params
@@ -495,7 +571,14 @@ class Flow:
             st.metrics.upstream_failures.labels(
                 "decode", decode.url, "decode_reply_too_large"
             ).inc()
-            return Failure("decode_reply_too_large", f"decode {exc}", "decode")
+            return Failure(
+                "decode_reply_too_large",
+                f"decode {exc}",
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             return self._decode_transport_failure(decode, exc, timeout)
         st.metrics.leg_decode.observe(time.monotonic() - started)
@@ -590,11 +673,17 @@ class Flow:
                 return self._decode_error(
                     prefill, decode, 200, verdict.message.encode()
                 )
-            st.health.note(decode, ok=False)
             st.metrics.upstream_failures.labels(
                 "decode", decode.url, "decode_empty"
             ).inc()
-            return Failure("decode_empty", verdict.message, "decode")
+            return Failure(
+                "decode_empty",
+                verdict.message,
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
         st.health.note(decode, ok=True)
         self._record_clean_load(prefill, decode, body is not req.body.raw)
         return await self._relay(req, attempt_id, decode, resp, scanner.held, entry)
@@ -735,10 +824,17 @@ class Flow:
                     st.on_ejection(ejection)
             return Failure("kv_integrity", message, "decode")
         reason = "decode_error_event" if status == 200 else "decode_5xx"
-        st.health.note(decode, ok=False)
         st.metrics.upstream_failures.labels("decode", decode.url, reason).inc()
         prefix = "error event" if status == 200 else f"HTTP {status}"
-        return Failure(reason, f"{prefix}: {message}", "decode")
+        return Failure(
+            reason,
+            f"{prefix}: {message}",
+            "decode",
+            answered=True,
+            instance=decode,
+            prefill=prefill,
+            status=status if status >= 500 else 500,
+        )
 
     def _record_clean_load(
         self, prefill: Instance | None, decode: Instance, loaded: bool

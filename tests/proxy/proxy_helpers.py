@@ -65,6 +65,9 @@ class StubEngine:
     # sent chunked (no Content-Length) when ``chunked``.
     pad_bytes: int = 0
     chunked: bool = False
+    # The leg ("prefill", "decode", "any") on which the prompt [""] crashes
+    # the engine (500): a request whose content breaks every engine.
+    poison_leg: str = "any"
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -148,7 +151,19 @@ class StubEngine:
             )
         kvp = body.get("kv_transfer_params")
         prompt = body.get("prompt", body.get("messages"))
-        if kvp and kvp.get("do_remote_decode"):
+        leg = "prefill" if kvp and kvp.get("do_remote_decode") else "decode"
+        if prompt == [""] and self.poison_leg in (leg, "any"):
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "engine step failed",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                },
+                status=500,
+            )
+        if leg == "prefill":
             internal = f"internal-{rid}"
             self.held.add(internal)
             return await self._json(

@@ -4,6 +4,7 @@ the proxy must neither eject them nor keep a client waiting (issue 10)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from proxy_helpers import make_config, run_proxy
@@ -81,3 +82,56 @@ async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
         body = await resp.json()
     assert resp.status >= 500
     assert "exceeds 65536 bytes" in body["error"]["message"]
+
+
+POISON = {"prompt": [""], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+@pytest.mark.parametrize("size", [1, 2], ids=["1p1d", "2p2d"])
+async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
+    stubs, leg, size
+):
+    # Issue 10's pattern, scaled down: one poison request every 0.3 s (the
+    # issue: 3 s) while other clients keep sending; probes every second.
+    prefills = [await stubs(poison_leg=leg) for _ in range(size)]
+    decodes = [await stubs(poison_leg=leg) for _ in range(size)]
+    config = make_config(
+        [p.url for p in prefills],
+        [d.url for d in decodes],
+        health={"interval_s": 1.0, "unhealthy_threshold": 2},
+        retry={"backoff_base_s": 0.001},
+    )
+    others: list[int] = []
+    poison: list[tuple[int, float, str]] = []
+    async with run_proxy(config) as px:
+        stop = asyncio.Event()
+
+        async def client() -> None:
+            while not stop.is_set():
+                resp = await px.post("/v1/completions", COMPLETION)
+                await resp.read()
+                others.append(resp.status)
+                await asyncio.sleep(0.005)
+
+        async def poisoner() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                resp = await px.post("/v1/completions", POISON)
+                message = (await resp.json())["error"]["message"]
+                poison.append((resp.status, time.monotonic() - started, message))
+                await asyncio.sleep(0.3)
+
+        tasks = [asyncio.create_task(client()) for _ in range(4)]
+        tasks.append(asyncio.create_task(poisoner()))
+        await asyncio.sleep(2.5)
+        stop.set()
+        await asyncio.gather(*tasks)
+        healthy = [i.healthy for i in px.state.all_instances()]
+    failed = [s for s in others if s != 200]
+    assert len(others) > 50 and not failed, f"{len(failed)}/{len(others)} failed"
+    assert all(healthy)
+    assert len(poison) >= 5
+    assert all(status >= 500 and "engine step failed" in m for status, _, m in poison)
+    if size == 2:  # failed the same way on two instances: the client is told at once
+        assert all(status == 500 and "two" in m for status, _, m in poison)
