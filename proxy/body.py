@@ -136,15 +136,38 @@ def prefill_body(req: ClientRequest) -> bytes:
     return _encode(obj)
 
 
-def decode_body(req: ClientRequest, kv_params: bytes | None) -> bytes:
-    """The decode leg's body: the client's bytes plus the prefill's params verbatim.
+def streams_alike(req: ClientRequest) -> bool:
+    """Whether a non-streaming request may be decoded as a stream.
 
-    ``kv_params`` is the raw JSON value the prefill returned; ``None`` (no
-    params) sends the client's body unchanged, so the decode prefills locally.
+    vLLM refuses ``stream_options`` without a stream (the client must see
+    that 400) and ``prompt_logprobs`` within one.
+    """
+    obj = req.obj
+    return not obj.get("stream_options") and not obj.get("prompt_logprobs")
+
+
+def stream_body(req: ClientRequest) -> bytes:
+    """A non-streaming request's body, asking for a stream with its usage.
+
+    Raises:
+        BadRequest: the body is nested too deeply to encode.
+    """
+    obj = dict(req.obj)
+    obj["stream"] = True
+    obj["stream_options"] = {"include_usage": True}
+    return _encode(obj)
+
+
+def decode_body(raw: bytes, kv_params: bytes | None) -> bytes:
+    """The decode leg's body: ``raw`` plus the prefill's params verbatim.
+
+    ``raw`` is the client's body (or ``stream_body``'s); ``kv_params`` is
+    the raw JSON value the prefill returned; ``None`` (no params) sends
+    ``raw`` unchanged, so the decode prefills locally.
     """
     if kv_params is None:
-        return req.raw
-    head = req.raw.rstrip()
+        return raw
+    head = raw.rstrip()
     # parse_request guarantees a non-empty object, so a comma is always right.
     return b"".join((head[:-1], b',"kv_transfer_params":', kv_params, b"}"))
 

@@ -111,6 +111,12 @@ class RetryConfig(_Strict):
     )
     backoff_base_s: float = Field(default=0.01, ge=0)
     backoff_max_s: float = Field(default=0.25, ge=0)
+    non_stream_as_stream: bool = Field(
+        default=True,
+        description="Decode non-streaming requests as a stream, assembled into "
+        "one reply, so that decode_first_token_s and stream_idle_s bound a hung "
+        "KV load and it is retried; false: one reply bounded only by total_s",
+    )
     on_exhausted: Literal["fail", "decode_only"] = Field(
         default="fail",
         description="fail: 503 with the reason; decode_only: send the original "
@@ -122,10 +128,13 @@ class TimeoutsConfig(_Strict):
     connect_s: float = Field(default=3.0, gt=0)
     prefill_s: float = Field(default=60.0, gt=0)
     decode_first_token_s: float = Field(
-        default=60.0, gt=0, description="Stream: until the decode's first data event"
+        default=60.0,
+        gt=0,
+        description="Until the decode's first data event (non-streaming requests "
+        "too, see retry.non_stream_as_stream); then the attempt is retried",
     )
     stream_idle_s: float = Field(
-        default=30.0, gt=0, description="Stream: longest gap between chunks"
+        default=30.0, gt=0, description="Longest gap between a decode's chunks"
     )
     total_s: float = Field(default=600.0, gt=0)
     backend_keepalive_s: float = Field(

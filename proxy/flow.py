@@ -25,6 +25,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from proxy.assemble import Assembler
 from proxy.auth import bearer
 from proxy.body import (
     BadRequest,
@@ -36,10 +37,12 @@ from proxy.body import (
     prefill_body,
     prefix_key,
     remote_request_id,
+    stream_body,
+    streams_alike,
 )
 from proxy.errors import error_event, error_response
 from proxy.instances import Instance, ModelPools
-from proxy.sse import DONE, First, FirstEventScanner
+from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
 from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ INTEGRITY_MARKER = "KV checksum mismatch"
 _MARKER_BYTES = INTEGRITY_MARKER.encode()
 
 _encode_json = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -95,6 +99,10 @@ class _Request:
     deadline: float
     key: bytes = b""
     prefill_body: bytes = b""
+    # The decode's body before the prefill's params: the client's, or for a
+    # non-streaming request decoded as a stream, ``stream_body``'s.
+    decode_raw: bytes = b""
+    assemble: bool = False  # a stream decoded for a non-streaming client
     outcome: str | None = None
     answered: list[Failure] = field(default_factory=list)
 
@@ -241,6 +249,14 @@ class Flow:
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
         req.prefill_body = prefill_body(req.body)
+        req.decode_raw = req.body.raw
+        if (
+            not req.body.stream
+            and cfg.retry.non_stream_as_stream
+            and streams_alike(req.body)
+        ):
+            req.assemble = True
+            req.decode_raw = stream_body(req.body)
 
     # -------------------------------------------------------------- attempts
 
@@ -525,7 +541,7 @@ class Flow:
         entry: dict[str, Any],
     ) -> web.StreamResponse | Failure:
         """The decode leg; frees the prefill's held KV whenever it won't be pulled."""
-        body = decode_body(req.body, kv_params)
+        body = decode_body(req.decode_raw, kv_params)
         headers = {**decode.headers, "X-Request-Id": attempt_id}
         pulled = False  # True once the decode produced data: the KV was loaded
         decode.in_flight += 1
@@ -533,7 +549,8 @@ class Flow:
             remaining = req.remaining()
             if remaining <= 0:
                 return Failure("total_timeout", "total timeout exceeded", "decode")
-            leg = self._decode_stream if req.body.stream else self._decode_json
+            streamed = req.body.stream or req.assemble
+            leg = self._decode_stream if streamed else self._decode_json
             answer = await leg(
                 req, attempt_id, prefill, decode, body, headers, remaining, entry
             )
@@ -590,7 +607,7 @@ class Flow:
             self._finish(req, "upstream_4xx")
             return _passthrough(status, data, content_type, req.request_id)
         st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.body.raw)
+        self._record_clean_load(prefill, decode, body is not req.decode_raw)
         ttft, _ = st.metrics.route_histograms(req.route.label)
         ttft.observe(time.monotonic() - req.started)
         self._finish(req, "ok")
@@ -685,8 +702,122 @@ class Flow:
                 prefill=prefill,
             )
         st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.body.raw)
+        self._record_clean_load(prefill, decode, body is not req.decode_raw)
+        if req.assemble:
+            return await self._collect(
+                req, attempt_id, prefill, decode, resp, scanner.held, entry
+            )
         return await self._relay(req, attempt_id, decode, resp, scanner.held, entry)
+
+    async def _collect(
+        self,
+        req: _Request,
+        attempt_id: str,
+        prefill: Instance | None,
+        decode: Instance,
+        resp: aiohttp.ClientResponse,
+        held: bytes,
+        entry: dict[str, Any],
+    ) -> web.StreamResponse | Failure:
+        """Reads the rest of a stream into one JSON reply for a non-stream client.
+
+        The client has seen nothing yet, so any failure (an error event, a
+        stall past ``stream_idle_s``, a broken or oversized stream) is a
+        Failure the flow may retry.
+        """
+        st = self.state
+        cfg = req.config
+        limit = cfg.limits.max_reply_bytes
+        idle = cfg.timeouts.stream_idle_s
+        loop = asyncio.get_running_loop()
+        reader = EventReader()
+        reply = Assembler()
+        size = len(held)
+        events = reader.feed(held)
+        done = False
+        failure: Failure | None = None
+        try:
+            now = time.monotonic()
+            async with asyncio.timeout(min(idle, req.deadline - now)) as timer:
+                while failure is None:
+                    for data in events:
+                        if data.strip() == DONE:
+                            done = True
+                            break
+                        failure = self._stream_event(prefill, decode, data, reply)
+                        if failure is not None:
+                            break
+                    if done or failure is not None:
+                        break
+                    data = await resp.content.readany()
+                    if not data:
+                        break
+                    size += len(data)
+                    if size > limit:
+                        failure = Failure(
+                            "decode_reply_too_large",
+                            f"decode reply exceeds {limit} bytes",
+                            "decode",
+                            answered=True,
+                            instance=decode,
+                            prefill=prefill,
+                        )
+                        break
+                    events = reader.feed(data)
+                    now = time.monotonic()
+                    timer.reschedule(loop.time() + min(idle, req.deadline - now))
+        except TimeoutError:
+            failure = Failure(
+                "decode_timeout",
+                "request exceeded its total timeout"
+                if time.monotonic() >= req.deadline
+                else f"decode stream idle for {idle:.3g}s",
+                "decode",
+            )
+        except aiohttp.ClientError as exc:
+            failure = Failure(
+                "decode_connect",
+                f"decode stream broke: {exc.__class__.__name__}",
+                "decode",
+            )
+        finally:
+            if failure is None and done:
+                resp.release()
+            else:
+                resp.close()
+        if failure is None and not done:
+            failure = Failure(
+                "decode_connect", "decode stream ended without [DONE]", "decode"
+            )
+        result = reply.result()
+        if failure is None and any(
+            c.get("finish_reason") == "abort" for c in result["choices"]
+        ):
+            failure = Failure(
+                "decode_aborted", "decode aborted the request mid-stream", "decode"
+            )
+        if failure is not None:
+            if not failure.answered:
+                # A broken connection, a stall or an abort says something
+                # about the instance: it counts now.
+                st.health.note(decode, ok=False)
+                st.metrics.upstream_failures.labels(
+                    "decode", decode.url, failure.reason
+                ).inc()
+            if not done:
+                self._abort(decode, attempt_id, None)
+            return failure
+        entry["outcome"] = "ok"
+        ttft, _ = st.metrics.route_histograms(req.route.label)
+        ttft.observe(time.monotonic() - req.started)
+        self._finish(req, "ok")
+        return web.Response(
+            body=_encode_json(result),
+            headers={
+                "Content-Type": "application/json",
+                "X-Request-Id": req.request_id,
+            },
+        )
 
     async def _relay(
         self,
@@ -802,6 +933,36 @@ class Flow:
             self._finish(req, outcome)
 
     # --------------------------------------------------------------- helpers
+
+    def _stream_event(
+        self,
+        prefill: Instance | None,
+        decode: Instance,
+        data: bytes,
+        reply: Assembler,
+    ) -> Failure | None:
+        """Adds one data event of a collected stream to ``reply``, or fails."""
+        message = error_message(data)
+        if message is not None:
+            return self._decode_error(prefill, decode, 200, message.encode())
+        try:
+            chunk = _decode_json(data)
+        except (msgspec.DecodeError, RecursionError):
+            chunk = None
+        if not isinstance(chunk, dict):
+            self.state.metrics.upstream_failures.labels(
+                "decode", decode.url, "decode_bad_reply"
+            ).inc()
+            return Failure(
+                "decode_bad_reply",
+                "decode stream event is not a JSON object",
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
+        reply.feed(chunk)
+        return None
 
     def _decode_transport_failure(
         self, decode: Instance, exc: BaseException, timeout: aiohttp.ClientTimeout

@@ -61,8 +61,8 @@ class StubEngine:
     # what a client sees when it reuses a connection the server just closed.
     reset_idle_s: float | None = None
     resets: int = 0
-    # Pads each JSON reply (prefill, non-stream decode) with this many bytes,
-    # sent chunked (no Content-Length) when ``chunked``.
+    # Pads each JSON reply (prefill, non-stream decode) and stream event with
+    # this many bytes; JSON replies go chunked (no Content-Length) if ``chunked``.
     pad_bytes: int = 0
     chunked: bool = False
     # The leg ("prefill", "decode", "any") on which the prompt [""] crashes
@@ -235,6 +235,8 @@ class StubEngine:
             words = text.split(" ")[1:]
             for i, word in enumerate(words):
                 chunk = {"id": rid, "choices": [{"index": 0, "text": " " + word}]}
+                if self.pad_bytes:
+                    chunk["padding"] = "x" * self.pad_bytes
                 await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
                 if self.mode == "die" and i == 1:
                     assert request.transport is not None

@@ -410,3 +410,67 @@ async def test_reload_adds_and_removes_an_instance_under_load_without_failures(
             sent_p2 = await engine_metric(s, p2, "kvguard_kv_checksum_sent_total")
     assert len(results) == 150 and all(r == (200, True, []) for r in results)
     assert sent_p2 > 0
+
+
+async def test_hung_kv_load_of_a_non_stream_request_is_retried_like_a_streams():
+    # The decode's first pull hangs (a stuck NIXL read); the proxy gives up
+    # after decode_first_token_s, as for a stream, and retries.
+    hangs_once = EngineSpec(
+        role=Role.CONSUMER,
+        fail_closed=True,
+        fault=FaultConfig(fault=FaultKind.HANG, side=FaultSide.CONSUMER, count=1),
+    )
+    async with fake_engines(PRODUCER, hangs_once, MONOLITH) as (p, d, mono):
+        config = make_config(
+            [p],
+            [d],
+            timeouts={"decode_first_token_s": 1.0, "total_s": 20},
+            retry={"backoff_base_s": 0.001},
+        )
+        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+            for route in ("/v1/completions", "/v1/chat/completions"):
+                payload = body(route, PROMPTS[3], False)
+                _, want, _ = await answer(s, mono, route, payload)
+                started = time.monotonic()
+                got = await answer(s, px.url, route, payload)
+                waited = time.monotonic() - started
+                assert got == (200, want, [])
+                assert waited < 10, waited
+            metrics = await px.metrics()
+    assert (
+        proxy_metric(metrics, "kvguard_proxy_retries_total", reason="decode_timeout")
+        == 1
+    )
+
+
+async def test_assembled_non_stream_reply_matches_the_engines_own():
+    async with (
+        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
+        run_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            payload = {
+                **body(route, PROMPTS[4], False, 12),
+                "return_token_ids": True,
+                "stop": ["zz"],
+            }
+            async with s.post(mono + route, json=payload) as resp:
+                want = await resp.json()
+            async with s.post(px.url + route, json=payload) as resp:
+                assert resp.status == 200
+                got = await resp.json()
+            assert got["object"] == want["object"]
+            assert got["model"] == want["model"]
+            assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+            assert (
+                got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+            )
+            (g,), (w,) = got["choices"], want["choices"]
+            for key in ("index", "finish_reason", "stop_reason", "token_ids"):
+                assert g[key] == w[key], key
+            if route == "/v1/completions":
+                assert g["text"] == w["text"]
+            else:
+                assert g["message"]["role"] == w["message"]["role"]
+                assert g["message"]["content"] == w["message"]["content"]

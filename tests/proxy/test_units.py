@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.assemble import Assembler
 from proxy.body import (
     BadRequest,
     Route,
@@ -23,7 +24,7 @@ from proxy.ejection import IntegrityTracker
 from proxy.instances import Instance, Pool
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
-from proxy.sse import First, FirstEventScanner
+from proxy.sse import EventReader, First, FirstEventScanner
 
 
 def insts(
@@ -235,9 +236,9 @@ def test_bodies_the_flow_cannot_use_are_bad_requests(raw, route, why):
 def test_decode_body_splices_params_byte_for_byte():
     raw = b'{"prompt": "x",  "n": 1.50} \n'
     req = parse_request(raw, Route.COMPLETIONS)
-    assert decode_body(req, None) is raw
+    assert decode_body(req.raw, None) is raw
     kv = b'{"remote_block_ids": [[1]], "kv_checksums": "Zm9v", "new": null}'
-    out = decode_body(req, kv)
+    out = decode_body(req.raw, kv)
     assert out == b'{"prompt": "x",  "n": 1.50,"kv_transfer_params":' + kv + b"}"
     assert msgspec.json.decode(out)["kv_transfer_params"]["kv_checksums"] == "Zm9v"
 
@@ -280,3 +281,102 @@ def test_router_steers_prefills_away_from_a_pair_ejected_with_the_only_decode():
     t.record_failure(bad, d)
     picks = {router.pick(prefills, partners=decodes).url for _ in range(4)}
     assert picks == {good.url}
+
+
+# ------------------------------------------------------------------ assembly
+
+
+def test_assembler_joins_completion_chunks_per_choice_with_usage():
+    a = Assembler()
+    for chunk in (
+        {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+         "choices": [{"index": 1, "text": "B", "logprobs": {"tokens": ["B"]},
+                      "finish_reason": None, "token_ids": [2]}], "usage": None},
+        {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+         "choices": [{"index": 0, "text": "a", "finish_reason": None,
+                      "prompt_token_ids": [7, 8], "token_ids": [1]}]},
+        {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+         "choices": [{"index": 1, "text": "b", "logprobs": {"tokens": ["b"]},
+                      "finish_reason": "length", "stop_reason": None,
+                      "token_ids": [3]},
+                     {"index": 0, "text": "z", "finish_reason": "stop",
+                      "stop_reason": "zz", "token_ids": [4]}]},
+        {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+         "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}},
+    ):  # fmt: skip
+        a.feed(chunk)
+    reply = a.result()
+    assert reply["object"] == "text_completion"
+    assert list(reply)[-1] == "usage"
+    assert reply["usage"] == {"prompt_tokens": 2, "completion_tokens": 4}
+    first, second = reply["choices"]
+    assert first == {
+        "index": 0,
+        "text": "az",
+        "finish_reason": "stop",
+        "prompt_token_ids": [7, 8],
+        "token_ids": [1, 4],
+        "stop_reason": "zz",
+    }
+    assert second["text"] == "Bb" and second["logprobs"] == {"tokens": ["B", "b"]}
+    assert second["finish_reason"] == "length" and second["token_ids"] == [2, 3]
+
+
+def test_assembler_builds_a_chat_message_with_tool_calls():
+    a = Assembler()
+    deltas = [
+        {"role": "assistant", "content": ""},
+        {"reasoning": "think"},
+        {"reasoning": "ing", "content": "Hi"},
+        {"tool_calls": [{"index": 0, "id": "t0", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}},
+                        {"index": 1, "id": "t1", "function": {"name": "g",
+                                                             "arguments": "{}"}}]},
+    ]  # fmt: skip
+    for i, delta in enumerate(deltas):
+        a.feed(
+            {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": {"content": [{"token": str(i)}]},
+                        "finish_reason": "tool_calls" if i == 4 else None,
+                    }
+                ],
+            }
+        )
+    (choice,) = a.result()["choices"]
+    assert a.result()["object"] == "chat.completion"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning": "thinking",
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "t0",
+                "type": "function",
+                "function": {"name": "f", "arguments": '{"a": 1}'},
+            },
+            {"index": 1, "id": "t1", "function": {"name": "g", "arguments": "{}"}},
+        ],
+    }
+    assert [t["token"] for t in choice["logprobs"]["content"]] == list("01234")
+    assert choice["finish_reason"] == "tool_calls"
+
+
+@given(st.integers(min_value=1, max_value=40))
+def test_event_reader_splits_events_however_the_bytes_are_cut(size):
+    stream = (
+        b': keep-alive\r\n\r\ndata: {"a": 1}\r\n\r\n'
+        b"data: line1\r\ndata: line2\r\n\r\ndata: [DONE]\n\n"
+    )
+    reader = EventReader()
+    events = []
+    for i in range(0, len(stream), size):
+        events += reader.feed(stream[i : i + size])
+    assert events == [b'{"a": 1}', b"line1\nline2", b"[DONE]"]
