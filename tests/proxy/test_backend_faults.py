@@ -131,7 +131,7 @@ async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
     failed = [s for s in others if s != 200]
     assert len(others) > 50 and not failed, f"{len(failed)}/{len(others)} failed"
     assert all(healthy)
-    assert len(poison) >= 5
+    assert len(poison) >= 3
     assert all(status >= 500 and "engine step failed" in m for status, _, m in poison)
     if size == 2:  # failed the same way on two instances: the client is told at once
         assert all(status == 500 and "two" in m for status, _, m in poison)
