@@ -474,3 +474,60 @@ async def test_assembled_non_stream_reply_matches_the_engines_own():
             else:
                 assert g["message"]["role"] == w["message"]["role"]
                 assert g["message"]["content"] == w["message"]["content"]
+
+
+@pytest.mark.parametrize("faulty", ["decode", "prefill"])
+async def test_faulty_instance_alone_on_its_side_is_ejected_and_its_partners_are_not(
+    faulty,
+):
+    # One decode that corrupts half its loads beside two prefills, or one
+    # prefill whose KV is corrupt half the time beside two decodes: blame
+    # follows the pattern across partners.
+    half = 0.5
+    if faulty == "decode":
+        bad = EngineSpec(
+            role=Role.CONSUMER,
+            fail_closed=True,
+            fault=FaultConfig(fault=FaultKind.ZERO, side=FaultSide.CONSUMER, rate=half),
+        )
+        specs = (PRODUCER, PRODUCER, bad, MONOLITH)
+    else:
+        bad = EngineSpec(
+            role=Role.PRODUCER,
+            fault=FaultConfig(
+                fault=FaultKind.BITFLIP, side=FaultSide.PRODUCER, rate=half
+            ),
+        )
+        specs = (bad, CONSUMER, CONSUMER, MONOLITH)
+    async with fake_engines(*specs) as urls:
+        mono = urls[3]
+        prefills, decodes = (
+            (urls[:2], urls[2:3])
+            if faulty == "decode"
+            else (
+                urls[:1],
+                urls[1:3],
+            )
+        )
+        bad_url = urls[2] if faulty == "decode" else urls[0]
+        config = make_config(
+            prefills,
+            decodes,
+            ejection={"instance_failures": 3, "pair_failures": 1000, "cooldown_s": 300},
+            retry={
+                "backoff_base_s": 0.001,
+                "max_attempts": 4,
+                "on_exhausted": "decode_only",
+            },
+        )
+        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+            refs = await references(s, mono)
+            results = await run_load(px.url, refs, 60, 8)
+            metrics = await px.metrics()
+    assert len(results) == 60 and all(r == (200, True, []) for r in results)
+    ejected = {
+        url
+        for url in urls[:3]
+        if proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=url)
+    }
+    assert ejected == {bad_url}
