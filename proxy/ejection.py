@@ -52,16 +52,18 @@ def _concentrated(failed: int, loads: int, failed_all: int, loads_all: int) -> f
     of ``failed_all`` failures) by chance: the hypergeometric upper tail."""
     if failed <= 0:
         return 1.0
-    top = min(loads, failed_all)
     log_total = _log_comb(loads_all, loads)
-    return sum(
-        math.exp(
+    tail = 0.0
+    for x in range(failed, min(loads, failed_all) + 1):
+        term = math.exp(
             _log_comb(failed_all, x)
             + _log_comb(loads_all - failed_all, loads - x)
             - log_total
         )
-        for x in range(failed, top + 1)
-    )
+        tail += term
+        if x > failed and term < tail * 1e-9:  # past the mode: the rest is noise
+            break
+    return tail
 
 
 def _log_comb(n: int, k: int) -> float:
@@ -133,7 +135,13 @@ class IntegrityTracker:
         return [e for inst in suspects if (e := self._judge(inst, now)) is not None]
 
     def record_failure(self, prefill: Instance, decode: Instance) -> list[Ejection]:
-        """A decode failed to load the prefill's KV (checksum mismatch)."""
+        """A decode failed to load the prefill's KV (checksum mismatch).
+
+        A failure with an ejected instance (still in use when its pool has
+        nothing else) is explained already: it is evidence against nobody.
+        """
+        if prefill.ejected or decode.ejected:
+            return []
         now = self._clock()
         self._failures.append((now, prefill, decode))
         self._count(prefill, decode, 1)

@@ -127,12 +127,16 @@ def test_faulty_decode_among_two_is_ejected():
     assert not p.ejected
 
 
-def run_loads(t, pairs, faulty, rate, rounds, rng):
-    """Round-robin loads over ``pairs``; those touching ``faulty`` fail at ``rate``."""
+def run_loads(t, pairs, faulty, rate, rounds, rng, panic=False):
+    """Round-robin loads over ``pairs``; those touching ``faulty`` fail at ``rate``.
+
+    ``panic``: ejected instances keep serving, as routing does when their
+    pool has no other.
+    """
     ejected = []
     for _ in range(rounds):
         for p, d in pairs:
-            if p.ejected or d.ejected:
+            if not panic and (p.ejected or d.ejected):
                 continue
             if faulty in (p, d) and rng.random() < rate:
                 ejected += t.record_failure(p, d)
@@ -159,6 +163,15 @@ def test_faulty_only_prefill_among_decodes_is_ejected_and_the_decodes_are_not(ra
     out = run_loads(t, [(p, d) for d in decodes], p, rate, 40, random.Random(2))
     assert [e.instance for e in out] == [p]
     assert not any(d.ejected for d in decodes)
+
+
+def test_a_lone_faulty_prefill_still_serving_after_its_ejection_blames_no_decode():
+    clock = Clock()
+    t = tracker(clock, pair_failures=1000, cooldown_s=10_000)
+    (p,), decodes = insts(1), insts(2, "decode")
+    pairs = [(p, d) for d in decodes]
+    out = run_loads(t, pairs, p, 0.5, 500, random.Random(3), panic=True)
+    assert [e.instance for e in out] == [p]
 
 
 def test_a_good_prefills_rare_failure_does_not_turn_blame_on_the_only_decode():
