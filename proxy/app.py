@@ -52,12 +52,12 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig, source: str | None = None) -> None:
         self.source = source
+        self.in_flight = 0  # client requests whose body has arrived
         self.models: dict[str, ModelPools] = {}
-        self.metrics = ProxyMetrics(self.all_instances)
+        self.metrics = ProxyMetrics(self.all_instances, lambda: self.in_flight)
         self.tracker = IntegrityTracker(config.ejection)
         self.router = Router(self.tracker)
         self.health = Health(self)
-        self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

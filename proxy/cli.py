@@ -155,10 +155,14 @@ async def serve(
     await site.start()
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}"
-    log.info("kvguard proxy listening on %s", url)
+    loop = asyncio.get_running_loop()
+    log.info(
+        "kvguard proxy listening on %s (event loop: %s)",
+        url,
+        type(loop).__module__.split(".")[0],
+    )
     if on_ready is not None:
         on_ready(url)
-    loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     loop.add_signal_handler(signal.SIGHUP, lambda: state.spawn(state.reload()))
     for sig in (signal.SIGINT, signal.SIGTERM):

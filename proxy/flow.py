@@ -17,7 +17,6 @@ import logging
 import random
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -151,7 +150,7 @@ class Flow:
         metrics = st.metrics
         started = time.monotonic()
         label = route.label
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = request.headers.get("X-Request-Id") or _new_request_id()
         if st.auth.clients.required and not st.auth.clients.accepts(
             bearer(request.headers)
         ):
@@ -184,7 +183,6 @@ class Flow:
                 request_id,
             )
         st.in_flight += 1
-        metrics.in_flight.inc()
         try:
             try:
                 body = parse_request(raw, route)
@@ -218,7 +216,6 @@ class Flow:
             return await self._serve(req)
         finally:
             st.in_flight -= 1
-            metrics.in_flight.dec()
 
     @staticmethod
     async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -852,30 +849,34 @@ class Flow:
             now = time.monotonic()
             ttft.observe(now - req.started)
             idle = cfg.timeouts.stream_idle_s
-            gap = metrics.inter_token
-            last = now
+            # The idle timer is moved only every ``slack`` seconds, not per
+            # chunk: a gap of ``idle`` is still caught, at most ``slack`` late.
+            slack = idle / 16
+            gap = metrics.gaps
+            last = armed = now
             tail = held[-16:]
             aborted = _upstream_aborted(held)
-            chunks = resp.content.iter_any().__aiter__()
+            content = resp.content
             error: str | None = None
             done = False
             try:
                 async with asyncio.timeout(
-                    min(now + idle, req.deadline) - now
+                    min(now + idle + slack, req.deadline) - now
                 ) as timer:
                     while True:
                         try:
-                            chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            break
+                            chunk = await content.readany()
                         except aiohttp.ClientError as exc:
                             error = f"decode stream broke: {exc.__class__.__name__}"
+                            break
+                        if not chunk:
                             break
                         now = time.monotonic()
                         gap.observe(now - last)
                         last = now
-                        tail = (tail + chunk)[-16:]
-                        aborted = aborted or _upstream_aborted(chunk)
+                        tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+                        if b'"abort"' in chunk and _upstream_aborted(chunk):
+                            aborted = True
                         # [DONE] is held back: an error event must come before it.
                         if chunk.endswith(_DONE_EVENT):
                             chunk = chunk[: -len(_DONE_EVENT)]
@@ -886,7 +887,11 @@ class Flow:
                         except (ConnectionError, aiohttp.ClientConnectionResetError):
                             outcome = "client_disconnected"
                             return out
-                        timer.reschedule(loop.time() + min(idle, req.deadline - now))
+                        if now - armed >= slack:
+                            armed = now
+                            timer.reschedule(
+                                loop.time() + min(idle + slack, req.deadline - now)
+                            )
             except TimeoutError:
                 error = (
                     "request exceeded its total timeout"
@@ -897,6 +902,7 @@ class Flow:
                 error = "decode aborted the request mid-stream"
             if error is None and not done and not tail.rstrip().endswith(DONE):
                 error = "decode stream ended without [DONE]"
+            last_event = _DONE_EVENT if done else b""
             if error is not None:
                 outcome = "stream_error"
                 st.health.note(decode, ok=False)
@@ -904,20 +910,13 @@ class Flow:
                     "decode", decode.url, "stream_broken"
                 ).inc()
                 entry["error"] = error
-                try:
-                    await out.write(error_event(502, error))
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    return out
-            elif done:
-                try:
-                    await out.write(_DONE_EVENT)
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    outcome = "client_disconnected"
-                    return out
+                last_event = error_event(502, error)
             try:
-                await out.write_eof()
+                # The last event and the end of the chunked body in one write.
+                await out.write_eof(last_event)
             except (ConnectionError, aiohttp.ClientConnectionResetError):
-                outcome = "client_disconnected"
+                if error is None:
+                    outcome = "client_disconnected"
             return out
         except asyncio.CancelledError:
             outcome = "client_disconnected"
@@ -1026,6 +1025,11 @@ class Flow:
 
 _DONE_EVENT = b"data: [DONE]\n\n"
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+
+
+def _new_request_id() -> str:
+    """32 random hex digits, as uuid4().hex but without its system call."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def _upstream_aborted(chunk: bytes) -> bool:

@@ -19,7 +19,12 @@ _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class _InstanceCollector(Collector):
-    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[Instance]],
+        in_flight: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        """``instances`` and ``in_flight`` are read at scrape time."""
         self._instances = instances
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -60,7 +65,12 @@ class _InstanceCollector(Collector):
 class ProxyMetrics:
     """Counters and histograms the request flow updates."""
 
-    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[Instance]],
+        in_flight: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        """``instances`` and ``in_flight`` are read at scrape time."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -130,11 +140,13 @@ class ProxyMetrics:
         self.in_flight = Gauge(
             "kvguard_proxy_in_flight", "Client requests in flight", registry=r
         )
+        self.in_flight.set_function(in_flight)
         r.register(_InstanceCollector(instances))
         self._requests_children: dict[tuple[str, str], Counter] = {}
         self._route_children: dict[str, tuple[Histogram, Histogram]] = {}
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode = self.leg.labels("decode")
+        self.gaps = self.inter_token
 
     def count_request(self, route: str, outcome: str) -> None:
         child = self._requests_children.get((route, outcome))

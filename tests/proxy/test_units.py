@@ -445,3 +445,20 @@ def test_event_reader_splits_events_however_the_bytes_are_cut(size):
     for i in range(0, len(stream), size):
         events += reader.feed(stream[i : i + size])
     assert events == [b'{"a": 1}', b"line1\nline2", b"[DONE]"]
+
+
+# ------------------------------------------------------------------- metrics
+
+
+def test_a_single_instance_pool_is_picked_while_usable_ejected_or_not():
+    clock = Clock()
+    router = Router(tracker(clock), clock)
+    (only,) = insts(1)
+    pool = Pool("prefill", "round_robin", [only])
+    assert router.pick(pool, avoid={only}) is only
+    only.ejected_until = clock.now + 10
+    assert router.pick(pool) is only  # checksums still guard each load
+    clock.now += 11
+    assert router.pick(pool, probing=False) is only and not only.ejected
+    only.healthy = False
+    assert router.pick(pool) is None
