@@ -2,19 +2,23 @@
 
 A checksum mismatch is seen by the decode but may come from either side: the
 producer's blocks or the consumer's load. Blame follows the pattern across
-partners within the window. For the failures of a pair (p, d), with ``r``
-the pair's failure rate:
+partners within the window. For the failures of a pair (p, d):
 
-- the fault *follows* d when d also fails with its other prefills, at a rate
-  of at least r/2 (a faulty decode fails with every prefill, even when it
-  is the only decode);
-- d is *cleared* when it loads cleanly from its other prefills, failing
-  there at a rate below r/2 (a faulty prefill beside good ones);
+- d is *cleared* when its loads with its other prefills are clean enough
+  that the pair's failures could hardly have fallen on this pair by chance,
+  were d failing alike everywhere: the hypergeometric upper tail of the
+  pair's share of d's failures is below 0.2% (a faulty prefill beside good
+  ones);
+- the fault *follows* d when d also fails with its other prefills, at least
+  twice, and is not cleared (a faulty decode fails with every prefill, even
+  when it is the only decode);
 
 and symmetrically for p. The pair's failures count against p when the fault
 follows p or d is cleared, against d when it follows d or p is cleared. A
-lone pair is never blamed on either side; failures of one pair count against
-the pair regardless.
+lone pair is never blamed on either side; its failures count against the
+pair, unless one of its instances is ejected anyway. A failure with an
+ejected instance (still serving where its pool has no other) is evidence
+against nobody.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Ejection:
 _EVIDENCE = 2
 # ... or when the pair's failures are this unlikely to fall on the pair by
 # chance, were the instance failing alike everywhere (to clear it).
-_ALPHA = 0.01
+_ALPHA = 0.002
 
 
 def _concentrated(failed: int, loads: int, failed_all: int, loads_all: int) -> float:
@@ -148,21 +152,23 @@ class IntegrityTracker:
         self._prune(now)
         if not self.config.enabled:
             return []
-        out: list[Ejection] = []
-        pair = (prefill, decode)
         count = self._failed.get(prefill, {}).get(decode, 0)
-        if count >= self.config.pair_failures and not self.pair_ejected(
-            prefill, decode
-        ):
-            until = now + self.config.cooldown_s
-            self._pairs[pair] = until
-            out.append(Ejection(prefill, decode, count, until))
+        out: list[Ejection] = []
         # The others' cases change too: this failure is evidence about them.
         suspects = {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
         for inst in (prefill, decode, *(suspects - {prefill, decode})):
             ejection = self._judge(inst, now)
             if ejection is not None:
                 out.append(ejection)
+        # A pair one of whose instances is out needs no ejection of its own.
+        if (
+            count >= self.config.pair_failures
+            and not (prefill.ejected or decode.ejected)
+            and not self.pair_ejected(prefill, decode)
+        ):
+            until = now + self.config.cooldown_s
+            self._pairs[(prefill, decode)] = until
+            out.append(Ejection(prefill, decode, count, until))
         return out
 
     def has_ejected_pairs(self) -> bool:

@@ -223,7 +223,14 @@ async def test_faulty_decode_among_two_every_answer_correct_and_ejected():
         )
         == 1
     )
-    assert proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=p) == 0
+    # The pair (p, bad) may be ejected too when its fifth failure comes first;
+    # that is no blame on p.
+    assert (
+        proxy_metric(
+            metrics, "kvguard_proxy_ejections_total", instance=p, kind="instance"
+        )
+        == 0
+    )
 
 
 async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event():

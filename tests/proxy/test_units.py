@@ -98,7 +98,7 @@ def test_faulty_prefill_beside_a_good_one_is_ejected_and_the_decode_is_not():
     clock = Clock()
     t = tracker(clock, pair_failures=100)
     (bad, good), (d,) = insts(2), insts(1, "decode")
-    for _ in range(8):
+    for _ in range(20):
         t.record_success(good, d)
     assert t.record_failure(bad, d) == []
     assert t.record_failure(bad, d) == []
@@ -115,7 +115,7 @@ def test_failures_before_any_vouching_count_once_the_partner_is_vouched():
         assert t.record_failure(bad, d) == []  # no evidence yet: d might be at fault
     # Clean loads with another prefill clear d once three failures out of
     # the pair's three loads could hardly have fallen there by chance.
-    out = [e for _ in range(10) for e in t.record_success(good, d)]
+    out = [e for _ in range(20) for e in t.record_success(good, d)]
     assert [e.instance for e in out] == [bad]
 
 
@@ -123,7 +123,7 @@ def test_faulty_decode_among_two_is_ejected():
     clock = Clock()
     t = tracker(clock, pair_failures=100)
     (p,), (bad, good) = insts(1), insts(2, "decode")
-    for _ in range(8):
+    for _ in range(20):
         t.record_success(p, good)
     out = [e for _ in range(3) for e in t.record_failure(p, bad)]
     assert [e.instance for e in out] == [bad]
@@ -193,7 +193,7 @@ def test_failures_outside_the_window_are_forgotten():
     clock = Clock()
     t = tracker(clock, pair_failures=100)
     (bad, good), (d,) = insts(2), insts(1, "decode")
-    for _ in range(20):
+    for _ in range(60):
         t.record_success(good, d)
     t.record_failure(bad, d)
     t.record_failure(bad, d)
