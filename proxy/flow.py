@@ -794,7 +794,7 @@ class Flow:
                 "decode_aborted", "decode aborted the request mid-stream", "decode"
             )
         if failure is not None:
-            if not failure.answered:
+            if not failure.answered and failure.reason != "kv_integrity":
                 # A broken connection, a stall or an abort says something
                 # about the instance: it counts now.
                 st.health.note(decode, ok=False)
