@@ -2,8 +2,11 @@
 
 One run, same machine, same fake engines (instant compute, small model), 1P1D:
 a closed loop of ``--concurrency`` clients sends completions, non-stream then
-stream, to each target in turn and reports requests/s and p50/p99 latency,
-then the ratios. Bounded by ``--requests`` and ``--duration`` per target and mode.
+stream, to each target in turn and reports requests/s, p50/p99 latency and
+each proxy's CPU per request (its user+system time over the measured phase:
+on a machine the engines share, that CPU comes out of the engines), then the
+ratios. Bounded by ``--requests`` and ``--duration`` per target and mode. On
+a shared machine, run it a few times and compare the spread.
 
     .venv/bin/python benchmarks/bench_proxy.py
     # vllm-router in its own environment (found at .venv-bench/bin/vllm-router):
@@ -138,9 +141,17 @@ async def one(
 
 
 async def load(
-    base: str, stream: bool, args: argparse.Namespace, warmup: int = 64
-) -> tuple[int, int, float, list[float]]:
-    """Closed-loop load: (requests, errors, seconds, latencies)."""
+    base: str,
+    stream: bool,
+    args: argparse.Namespace,
+    pid: int | None = None,
+    warmup: int = 64,
+) -> tuple[int, int, float, list[float], float | None]:
+    """Closed-loop load: (requests, errors, seconds, latencies, CPU seconds).
+
+    The CPU seconds are those process ``pid`` spent in the measured phase
+    (after the warm-up), None without a pid or /proc.
+    """
     url = base + "/v1/completions"
     payload = {
         "model": "kvguard/fake-model",
@@ -156,6 +167,7 @@ async def load(
         connector=connector, timeout=aiohttp.ClientTimeout(total=60)
     ) as session:
         await asyncio.gather(*(one(session, url, body, stream) for _ in range(warmup)))
+        cpu_before = None if pid is None else cpu_seconds(pid)
         budget = args.requests
         stop_at = time.monotonic() + args.duration
 
@@ -174,7 +186,11 @@ async def load(
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         seconds = time.perf_counter() - started
-    return len(latencies), errors, seconds, latencies
+        cpu_after = None if pid is None else cpu_seconds(pid)
+    cpu = None
+    if cpu_before is not None and cpu_after is not None:
+        cpu = cpu_after - cpu_before
+    return len(latencies), errors, seconds, latencies, cpu
 
 
 def summarize(
@@ -289,16 +305,11 @@ async def run(args: argparse.Namespace) -> list[Result]:
         for stream in (False, True):
             mode = "stream" if stream else "non-stream"
             for name, url, pid in targets:
-                cpu_before = None if pid is None else cpu_seconds(pid)
-                n, errors, secs, lat = await load(url, stream, args)
+                n, errors, secs, lat, cpu_s = await load(url, stream, args, pid)
                 result = summarize(name, mode, n, errors, secs, lat)
-                cpu_after = None if pid is None else cpu_seconds(pid)
                 cpu = ""
-                if cpu_before is not None and cpu_after is not None and n:
-                    # Includes the warm-up requests, so slightly high.
-                    result.proxy_cpu_ms_per_req = round(
-                        (cpu_after - cpu_before) * 1000 / (n + 64), 3
-                    )
+                if cpu_s is not None and n:
+                    result.proxy_cpu_ms_per_req = round(cpu_s * 1000 / n, 3)
                     cpu = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
                 results.append(result)
                 print(
@@ -332,9 +343,13 @@ def ratios(results: list[Result]) -> list[str]:
                 rps = proxy.rps / base.rps
                 p50 = proxy.p50_ms / base.p50_ms
                 p99 = proxy.p99_ms / base.p99_ms
+                cpu = ""
+                if proxy.proxy_cpu_ms_per_req and base.proxy_cpu_ms_per_req:
+                    ratio = proxy.proxy_cpu_ms_per_req / base.proxy_cpu_ms_per_req
+                    cpu = f", CPU per request {ratio:.2f}x"
                 lines.append(
                     f"{mode:10s} kvguard-proxy / {other}: {rps:.2f}x req/s, "
-                    f"p50 {p50:.2f}x, p99 {p99:.2f}x"
+                    f"p50 {p50:.2f}x, p99 {p99:.2f}x{cpu}"
                 )
     return lines
 

@@ -450,7 +450,10 @@ class EngineServer:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return encode(prompt)
+            ids = encode(prompt)
+            if not ids:  # vLLM's input processor refuses it before scheduling
+                raise RequestError("The decoder prompt cannot be empty")
+            return ids
         ids = list(prompt)
         if not ids:
             raise RequestError(

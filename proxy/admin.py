@@ -3,6 +3,7 @@
     GET    /admin/instances
     POST   /admin/instances           {"role", "url", "model"?, "weight"?,
                                        "api_key_env"?}
+                                      (api_key_env: KVGUARD_BACKEND_KEY_* only)
     DELETE /admin/instances           {"url", "role"?, "model"?}
     POST   /admin/instances/drain     {"url", "role"?, "model"?}
     POST   /admin/instances/undrain   {"url", "role"?, "model"?}
@@ -49,6 +50,11 @@ class _Invalid(Exception):
     pass
 
 
+# The only variables an admin may name: the API must not send any secret of
+# the proxy's environment (its admin key, say) to a URL the admin picks.
+BACKEND_KEY_PREFIX = "KVGUARD_BACKEND_KEY_"
+
+
 def add_admin_routes(app: web.Application, key: web.AppKey[ProxyState]) -> None:
     """Registers the admin endpoints on ``app``; ``key`` finds the ProxyState."""
 
@@ -87,6 +93,8 @@ async def _body(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Str
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _Invalid(f"bad request body: {exc}") from None
+    except RecursionError:
+        raise _Invalid("bad request body: nested too deeply") from None
 
 
 def _listing(state: ProxyState) -> web.Response:
@@ -160,8 +168,15 @@ async def _add(state: ProxyState, request: web.Request) -> web.Response:
     pool: Pool = pools.pool(spec.role)
     if any(i.url == url for i in pool.instances):
         raise _Invalid(f"{spec.role} {url} is already in model {model!r}")
+    env = spec.api_key_env
+    if env is not None and (
+        not env.startswith(BACKEND_KEY_PREFIX) or env == BACKEND_KEY_PREFIX
+    ):
+        raise _Invalid(
+            f"api_key_env must name a variable {BACKEND_KEY_PREFIX}<NAME>, got {env!r}"
+        )
     try:
-        keys = read_secret(spec.api_key_env, None, f"{url} api key")
+        keys = read_secret(env, None, f"{url} api key")
     except ConfigError as exc:
         raise _Invalid(str(exc)) from None
     inst = Instance(

@@ -40,7 +40,9 @@ from proxy.health import Health
 from proxy.instances import Instance, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
+from proxy.server import json_errors
 from proxy.status import status_page
+from proxy.upstream import ReplyTooLarge, Upstream, read_capped
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -56,16 +58,17 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig, source: str | None = None) -> None:
         self.source = source
+        self.in_flight = 0  # client requests whose body has arrived
         self.models: dict[str, ModelPools] = {}
-        self.metrics = ProxyMetrics(self.all_instances)
+        self.metrics = ProxyMetrics(self.all_instances, lambda: self.in_flight)
         self.tracker = IntegrityTracker(config.ejection)
         self.router = Router(self.tracker)
         self.health = Health(self)
         self.discovery = Discovery(self)
         # The last KV integrity failures (their attempt log entries), for /status.
         self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
-        self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
@@ -207,16 +210,23 @@ class ProxyState:
             raise RuntimeError("the proxy's client session is not started")
         return self._session
 
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("the proxy's client session is not started")
+        return self._upstream
+
     async def start(self, app: web.Application | None = None) -> None:
-        """Opens the pooled session and starts health checks."""
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300
+        """Opens the pooled session and starts health checks.
+
+        ``timeouts.backend_keepalive_s`` is read here: a reload keeps the pool.
+        """
+        reconnects = self.metrics.reconnects
+        self._upstream = Upstream(
+            self.config.timeouts.backend_keepalive_s,
+            lambda role: reconnects.labels(role).inc(),
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            skip_auto_headers=("User-Agent",),
-        )
+        self._session = self._upstream.session
         self._health_task = asyncio.create_task(self.health.run())
         self._discovery_task = asyncio.create_task(self.discovery.run())
 
@@ -228,8 +238,8 @@ class ProxyState:
                 await asyncio.gather(task, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2)
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Runs ``coro`` in the background, keeping a reference until it ends."""
@@ -299,7 +309,13 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[STATE].metrics.registry
+    """Prometheus text; behind ``auth.metrics_key_*`` when configured."""
+    state = request.app[STATE]
+    if state.auth.metrics.required and not state.auth.metrics.accepts(
+        bearer(request.headers)
+    ):
+        return error_response(401, "Invalid or missing metrics key")
+    registry = state.metrics.registry
     body = await asyncio.to_thread(generate_latest, registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -325,10 +341,18 @@ async def _models(request: web.Request) -> web.Response:
             ) as resp:
                 if resp.status != 200:
                     return []
-                data = _decode_json(await resp.read())
+                data = _decode_json(
+                    await read_capped(resp, state.config.limits.max_reply_bytes)
+                )
                 entries = data.get("data") if isinstance(data, dict) else None
                 return [e for e in entries or [] if isinstance(e, dict) and "id" in e]
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+        except (
+            TimeoutError,
+            aiohttp.ClientError,
+            msgspec.DecodeError,
+            RecursionError,
+            ReplyTooLarge,
+        ):
             return []
 
     union: dict[str, dict[str, Any]] = {}
@@ -355,15 +379,16 @@ def create_app(
     """The proxy's aiohttp application for ``config``.
 
     ``source`` is the YAML file that SIGHUP and POST /admin/reload re-read.
-    Run it with ``handler_cancellation=True`` so that a client's disconnect
-    cancels both legs (``proxy.cli`` does).
+    Run it with ``proxy.server.ProxyRunner`` (errors aiohttp answers itself
+    then come in OpenAI JSON too) and ``handler_cancellation=True``, so that
+    a client's disconnect cancels both legs (``proxy.cli`` does both).
 
     Raises:
         ConfigError: a key the configuration names cannot be read.
     """
     state = ProxyState(config, None if source is None else str(source))
     # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
-    app = web.Application(client_max_size=1 << 40)
+    app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state
     flow = Flow(state)
     app.router.add_post("/v1/completions", flow.completions)

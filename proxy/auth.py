@@ -9,11 +9,15 @@ from proxy.config import AuthConfig, ConfigError, read_secret
 
 
 def bearer(headers: Mapping[str, str]) -> bytes | None:
-    """The token of an ``Authorization: Bearer`` header, as bytes."""
+    """The token of an ``Authorization: Bearer`` header, as bytes.
+
+    aiohttp keeps bytes that are not UTF-8 as surrogates; they come back as
+    the client's bytes, which then simply match no key.
+    """
     value = headers.get("Authorization")
     if value is None or value[:7].lower() != "bearer ":
         return None
-    return value[7:].strip().encode()
+    return value[7:].strip().encode("utf-8", "surrogateescape")
 
 
 class Keys:
@@ -39,10 +43,17 @@ class Keys:
 class Auth:
     """What the configuration's ``auth`` section resolves to at (re)load."""
 
-    def __init__(self, clients: Keys, admin: Keys, backend_key: str | None) -> None:
+    def __init__(
+        self,
+        clients: Keys,
+        admin: Keys,
+        backend_key: str | None,
+        metrics: Keys | None = None,
+    ) -> None:
         self.clients = clients
         self.admin = admin
         self.backend_key = backend_key
+        self.metrics = metrics or Keys([])
 
     @classmethod
     def from_config(cls, cfg: AuthConfig) -> Auth:
@@ -58,4 +69,12 @@ class Auth:
         )
         if len(backend) > 1:
             raise ConfigError("auth.backend_api_key: expected one key, found several")
-        return cls(Keys(clients), Keys(admin), backend[0] if backend else None)
+        metrics = read_secret(
+            cfg.metrics_key_env, cfg.metrics_key_file, "auth.metrics_key"
+        )
+        return cls(
+            Keys(clients),
+            Keys(admin),
+            backend[0] if backend else None,
+            Keys(metrics),
+        )

@@ -18,6 +18,7 @@ _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
 KV_PARAMS = "kv_transfer_params"
+_TOO_DEEP = "Request body is nested too deeply"
 
 # What the proxy asks of the prefill (wire.md, "Proxy -> prefill").
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -77,6 +78,8 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
         obj = _decode_json(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
     if not isinstance(obj, dict):
         raise BadRequest("Request body must be a JSON object")
     model = obj.get("model")
@@ -99,12 +102,29 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
     if dropped:
         # A client must never aim a decode at a host of its choosing.
         del obj[KV_PARAMS]
-        raw = _encode_json(obj)
+        raw = _encode(obj)
     return ClientRequest(raw, obj, model, stream, dropped)
 
 
+def _encode(obj: Any) -> bytes:
+    """A checked body as JSON.
+
+    Raises:
+        BadRequest: nested too deeply to encode (decoding it may just have
+            fitted within the interpreter's recursion limit).
+    """
+    try:
+        return _encode_json(obj)
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
+
+
 def prefill_body(req: ClientRequest) -> bytes:
-    """The prefill leg's body: one token, no stream, ask for remote decode."""
+    """The prefill leg's body: one token, no stream, ask for remote decode.
+
+    Raises:
+        BadRequest: the body is nested too deeply to encode.
+    """
     obj = dict(req.obj)
     obj["stream"] = False
     obj["max_tokens"] = 1
@@ -113,18 +133,41 @@ def prefill_body(req: ClientRequest) -> bytes:
     for name in ("stream_options", "min_tokens", "min_completion_tokens"):
         obj.pop(name, None)
     obj[KV_PARAMS] = PREFILL_KV_PARAMS
-    return _encode_json(obj)
+    return _encode(obj)
 
 
-def decode_body(req: ClientRequest, kv_params: bytes | None) -> bytes:
-    """The decode leg's body: the client's bytes plus the prefill's params verbatim.
+def streams_alike(req: ClientRequest) -> bool:
+    """Whether a non-streaming request may be decoded as a stream.
 
-    ``kv_params`` is the raw JSON value the prefill returned; ``None`` (no
-    params) sends the client's body unchanged, so the decode prefills locally.
+    vLLM refuses ``stream_options`` without a stream (the client must see
+    that 400) and ``prompt_logprobs`` within one.
+    """
+    obj = req.obj
+    return not obj.get("stream_options") and not obj.get("prompt_logprobs")
+
+
+def stream_body(req: ClientRequest) -> bytes:
+    """A non-streaming request's body, asking for a stream with its usage.
+
+    Raises:
+        BadRequest: the body is nested too deeply to encode.
+    """
+    obj = dict(req.obj)
+    obj["stream"] = True
+    obj["stream_options"] = {"include_usage": True}
+    return _encode(obj)
+
+
+def decode_body(raw: bytes, kv_params: bytes | None) -> bytes:
+    """The decode leg's body: ``raw`` plus the prefill's params verbatim.
+
+    ``raw`` is the client's body (or ``stream_body``'s); ``kv_params`` is
+    the raw JSON value the prefill returned; ``None`` (no params) sends
+    ``raw`` unchanged, so the decode prefills locally.
     """
     if kv_params is None:
-        return req.raw
-    head = req.raw.rstrip()
+        return raw
+    head = raw.rstrip()
     # parse_request guarantees a non-empty object, so a comma is always right.
     return b"".join((head[:-1], b',"kv_transfer_params":', kv_params, b"}"))
 
@@ -140,9 +183,13 @@ def kv_params_of(reply: bytes) -> bytes | None:
     """The raw ``kv_transfer_params`` value of a prefill's reply, or None.
 
     Raises:
-        msgspec.DecodeError: the reply is not a JSON object.
+        msgspec.DecodeError: the reply is not a JSON object, or is nested
+            too deeply to parse.
     """
-    raw = bytes(_decode_reply(reply).kv_transfer_params)
+    try:
+        raw = bytes(_decode_reply(reply).kv_transfer_params)
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply") from None
     return None if raw == b"null" else raw
 
 
@@ -157,13 +204,17 @@ def remote_request_id(kv_params: bytes) -> str | None:
     """The prefill's internal request id from its params, for aborting held KV."""
     try:
         return _decode_ids(kv_params).remote_request_id
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
 def prefix_key(req: ClientRequest, route: Route, size: int) -> bytes:
-    """The first ``size`` bytes of the prompt (or messages), for prefix_hash."""
+    """The first ``size`` bytes of the prompt (or messages), for prefix_hash.
+
+    Raises:
+        BadRequest: the prompt is nested too deeply to encode.
+    """
     value = req.obj.get("prompt" if route is Route.COMPLETIONS else "messages")
     if isinstance(value, str):
         return value.encode("utf-8", "surrogatepass")[:size]
-    return _encode_json(value)[:size]
+    return _encode(value)[:size]

@@ -30,6 +30,7 @@ from proxy.config import (
     json_schema,
     load_config,
 )
+from proxy.server import ProxyRunner
 
 log = logging.getLogger("kvguard.proxy")
 
@@ -144,7 +145,7 @@ async def serve(
     """Serves until SIGINT/SIGTERM (or ``stop``); SIGHUP reloads ``source``."""
     app = create_app(config, source)
     state = app[STATE]
-    runner = web.AppRunner(
+    runner = ProxyRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=10
     )
     await runner.setup()
@@ -154,10 +155,14 @@ async def serve(
     await site.start()
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}"
-    log.info("kvguard proxy listening on %s", url)
+    loop = asyncio.get_running_loop()
+    log.info(
+        "kvguard proxy listening on %s (event loop: %s)",
+        url,
+        type(loop).__module__.split(".")[0],
+    )
     if on_ready is not None:
         on_ready(url)
-    loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     loop.add_signal_handler(signal.SIGHUP, lambda: state.spawn(state.reload()))
     for sig in (signal.SIGINT, signal.SIGTERM):

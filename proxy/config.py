@@ -182,6 +182,12 @@ class RetryConfig(_Strict):
     )
     backoff_base_s: float = Field(default=0.01, ge=0)
     backoff_max_s: float = Field(default=0.25, ge=0)
+    non_stream_as_stream: bool = Field(
+        default=True,
+        description="Decode non-streaming requests as a stream, assembled into "
+        "one reply, so that decode_first_token_s and stream_idle_s bound a hung "
+        "KV load and it is retried; false: one reply bounded only by total_s",
+    )
     on_exhausted: Literal["fail", "decode_only"] = Field(
         default="fail",
         description="fail: 503 with the reason; decode_only: send the original "
@@ -193,12 +199,26 @@ class TimeoutsConfig(_Strict):
     connect_s: float = Field(default=3.0, gt=0)
     prefill_s: float = Field(default=60.0, gt=0)
     decode_first_token_s: float = Field(
-        default=60.0, gt=0, description="Stream: until the decode's first data event"
+        default=60.0,
+        gt=0,
+        description="Until the decode's first data event (non-streaming requests "
+        "too, see retry.non_stream_as_stream); then the attempt is retried",
     )
     stream_idle_s: float = Field(
-        default=30.0, gt=0, description="Stream: longest gap between chunks"
+        default=30.0, gt=0, description="Longest gap between a decode's chunks"
     )
     total_s: float = Field(default=600.0, gt=0)
+    backend_keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Pooled backend connections idle longer are closed; keep it "
+        "below the backends' idle timeout (vLLM's uvicorn: 5 s). Read at start",
+    )
+    request_body_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait for a client's whole request body, then 408",
+    )
 
 
 class HealthConfig(_Strict):
@@ -259,6 +279,12 @@ class EjectionConfig(_Strict):
 class LimitsConfig(_Strict):
     max_in_flight: int = Field(default=4096, ge=1, description="Above it: 429")
     max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1024, description="413")
+    max_reply_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest backend reply read (prefill JSON, non-streamed "
+        "decode); a larger one fails the attempt",
+    )
 
 
 class AuthConfig(_Strict):
@@ -276,6 +302,12 @@ class AuthConfig(_Strict):
         default=None, description="Env var with the key sent to backends"
     )
     backend_api_key_file: str | None = None
+    metrics_key_env: str | None = Field(
+        default=None,
+        description="Env var with the keys /metrics requires (it names the "
+        "backends' URLs); unset: /metrics is open",
+    )
+    metrics_key_file: str | None = None
 
 
 class RoutingConfig(_Strict):

@@ -1,15 +1,29 @@
 """Ejecting instances and prefill–decode pairs for KV integrity failures.
 
 A checksum mismatch is seen by the decode but may come from either side: the
-producer's blocks or the consumer's load. A failure counts against an
-instance only when its partner in that failure is vouched for by a clean load
-with some *other* instance within the window; a faulty prefill beside a good
-one is then blamed alone, and a lone decode is never ejected for its
-prefill's faults. Failures of one pair count against the pair regardless.
+producer's blocks or the consumer's load. Blame follows the pattern across
+partners within the window. For the failures of a pair (p, d):
+
+- d is *cleared* when its loads with its other prefills are clean enough
+  that the pair's failures could hardly have fallen on this pair by chance,
+  were d failing alike everywhere: the hypergeometric upper tail of the
+  pair's share of d's failures is below 0.2% (a faulty prefill beside good
+  ones);
+- the fault *follows* d when d also fails with its other prefills, at least
+  twice, and is not cleared (a faulty decode fails with every prefill, even
+  when it is the only decode);
+
+and symmetrically for p. The pair's failures count against p when the fault
+follows p or d is cleared, against d when it follows d or p is cleared. A
+lone pair is never blamed on either side; its failures count against the
+pair, unless one of its instances is ejected anyway. A failure with an
+ejected instance (still serving where its pool has no other) is evidence
+against nobody.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +43,70 @@ class Ejection:
     until: float
 
 
+# An instance's other pairs say something about it only with this many
+# failures seen there (for the fault to follow it) ...
+_EVIDENCE = 2
+# ... or when the pair's failures are this unlikely to fall on the pair by
+# chance, were the instance failing alike everywhere (to clear it).
+_ALPHA = 0.002
+
+
+def _concentrated(failed: int, loads: int, failed_all: int, loads_all: int) -> float:
+    """P(a pair with ``loads`` of ``loads_all`` loads draws ``failed`` or more
+    of ``failed_all`` failures) by chance: the hypergeometric upper tail."""
+    if failed <= 0:
+        return 1.0
+    log_total = _log_comb(loads_all, loads)
+    tail = 0.0
+    for x in range(failed, min(loads, failed_all) + 1):
+        term = math.exp(
+            _log_comb(failed_all, x)
+            + _log_comb(loads_all - failed_all, loads - x)
+            - log_total
+        )
+        tail += term
+        if x > failed and term < tail * 1e-9:  # past the mode: the rest is noise
+            break
+    return tail
+
+
+def _log_comb(n: int, k: int) -> float:
+    if k < 0 or k > n:
+        return -math.inf
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+class _Recent:
+    """Events within the last window, counted in two window-wide buckets.
+
+    Every counter shares one grid of buckets, so counts of one instance's
+    pairs add up. The estimate weighs the previous bucket by how much of it
+    is still inside the window.
+    """
+
+    __slots__ = ("_bucket", "_current", "_previous")
+
+    def __init__(self) -> None:
+        self._bucket = 0
+        self._current = 0
+        self._previous = 0
+
+    def add(self, now: float, width: float) -> None:
+        self._roll(int(now // width))
+        self._current += 1
+
+    def count(self, now: float, width: float) -> float:
+        bucket = int(now // width)
+        self._roll(bucket)
+        return self._current + self._previous * (1.0 - (now / width - bucket))
+
+    def _roll(self, bucket: int) -> None:
+        if bucket != self._bucket:
+            self._previous = self._current if bucket == self._bucket + 1 else 0
+            self._current = 0
+            self._bucket = bucket
+
+
 class IntegrityTracker:
     """Windows of integrity failures and clean loads; decides ejections."""
 
@@ -38,42 +116,59 @@ class IntegrityTracker:
         self.config = config
         self._clock = clock
         self._failures: deque[tuple[float, Instance, Instance]] = deque()
-        # instance -> partner -> time of the last clean load between them
-        self._clean: dict[Instance, dict[Instance, float]] = {}
+        # instance -> partner -> failures of that pair in the window (both ways)
+        self._failed: dict[Instance, dict[Instance, int]] = {}
+        # instance -> partner -> clean loads of that pair (one counter, both ways)
+        self._clean: dict[Instance, dict[Instance, _Recent]] = {}
         self._pairs: dict[tuple[Instance, Instance], float] = {}
 
     def record_success(self, prefill: Instance, decode: Instance) -> list[Ejection]:
         """A decode loaded the prefill's KV and produced data."""
         now = self._clock()
-        self._clean.setdefault(prefill, {})[decode] = now
-        self._clean.setdefault(decode, {})[prefill] = now
+        counter = self._clean.setdefault(prefill, {}).get(decode)
+        if counter is None:
+            counter = _Recent()
+            self._clean[prefill][decode] = counter
+            self._clean.setdefault(decode, {})[prefill] = counter
+        counter.add(now, self.config.window_s)
         if not self._failures:
             return []
-        # A new voucher may complete the case against an earlier failure's partner.
+        # A clean load may complete the case against an earlier failure's side.
         self._prune(now)
         suspects = {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
         return [e for inst in suspects if (e := self._judge(inst, now)) is not None]
 
     def record_failure(self, prefill: Instance, decode: Instance) -> list[Ejection]:
-        """A decode failed to load the prefill's KV (checksum mismatch)."""
+        """A decode failed to load the prefill's KV (checksum mismatch).
+
+        A failure with an ejected instance (still in use when its pool has
+        nothing else) is explained already: it is evidence against nobody.
+        """
+        if prefill.ejected or decode.ejected:
+            return []
         now = self._clock()
         self._failures.append((now, prefill, decode))
+        self._count(prefill, decode, 1)
         self._prune(now)
         if not self.config.enabled:
             return []
+        count = self._failed.get(prefill, {}).get(decode, 0)
         out: list[Ejection] = []
-        pair = (prefill, decode)
-        count = sum(1 for _, p, d in self._failures if p is prefill and d is decode)
-        if count >= self.config.pair_failures and not self.pair_ejected(
-            prefill, decode
-        ):
-            until = now + self.config.cooldown_s
-            self._pairs[pair] = until
-            out.append(Ejection(prefill, decode, count, until))
-        for inst in (prefill, decode):
+        # The others' cases change too: this failure is evidence about them.
+        suspects = {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
+        for inst in (prefill, decode, *(suspects - {prefill, decode})):
             ejection = self._judge(inst, now)
             if ejection is not None:
                 out.append(ejection)
+        # A pair one of whose instances is out needs no ejection of its own.
+        if (
+            count >= self.config.pair_failures
+            and not (prefill.ejected or decode.ejected)
+            and not self.pair_ejected(prefill, decode)
+        ):
+            until = now + self.config.cooldown_s
+            self._pairs[(prefill, decode)] = until
+            out.append(Ejection(prefill, decode, count, until))
         return out
 
     def has_ejected_pairs(self) -> bool:
@@ -96,37 +191,87 @@ class IntegrityTracker:
         return self._blamed(inst, now)
 
     def forget(self, inst: Instance) -> None:
-        """Drops an instance's records (it was ejected or removed)."""
-        self._failures = deque(
-            f for f in self._failures if inst is not f[1] and inst is not f[2]
-        )
-        self._clean.pop(inst, None)
-        for partners in self._clean.values():
-            partners.pop(inst, None)
+        """Drops an instance's records (it was removed)."""
+        self._drop_failures(inst)
+        for partner in self._clean.pop(inst, {}):
+            self._clean.get(partner, {}).pop(inst, None)
         for pair in [p for p in self._pairs if inst in p]:
             del self._pairs[pair]
+
+    def _count(self, prefill: Instance, decode: Instance, delta: int) -> None:
+        for a, b in ((prefill, decode), (decode, prefill)):
+            partners = self._failed.setdefault(a, {})
+            left = partners.get(b, 0) + delta
+            if left > 0:
+                partners[b] = left
+            else:
+                partners.pop(b, None)
+                if not partners:
+                    del self._failed[a]
+
+    def _drop_failures(self, inst: Instance) -> None:
+        kept = deque(f for f in self._failures if inst is not f[1] and inst is not f[2])
+        for _, p, d in self._failures:
+            if p is inst or d is inst:
+                self._count(p, d, -1)
+        self._failures = kept
 
     def _prune(self, now: float) -> None:
         horizon = now - self.config.window_s
         while self._failures and self._failures[0][0] < horizon:
-            self._failures.popleft()
+            _, p, d = self._failures.popleft()
+            self._count(p, d, -1)
 
-    def _vouched(self, inst: Instance, besides: Instance, now: float) -> bool:
-        """``inst`` loaded cleanly with an instance other than ``besides`` lately."""
-        horizon = now - self.config.window_s
-        partners = self._clean.get(inst)
-        if not partners:
-            return False
-        return any(
-            t >= horizon for other, t in partners.items() if other is not besides
+    def _with_others(
+        self, inst: Instance, besides: Instance, now: float
+    ) -> tuple[int, float]:
+        """(failures, clean loads) of ``inst`` with partners other than ``besides``."""
+        failed = sum(
+            n for other, n in self._failed.get(inst, {}).items() if other is not besides
         )
+        width = self.config.window_s
+        clean = sum(
+            c.count(now, width)
+            for other, c in self._clean.get(inst, {}).items()
+            if other is not besides
+        )
+        return failed, clean
+
+    def _blame(
+        self, prefill: Instance, decode: Instance, failed: int, now: float
+    ) -> tuple[bool, bool]:
+        """Whether the ``failed`` failures of (prefill, decode) count against
+        (the prefill, the decode); see the module's docstring."""
+        pair_clean = self._clean.get(prefill, {}).get(decode)
+        clean = (
+            0
+            if pair_clean is None
+            else round(pair_clean.count(now, self.config.window_s))
+        )
+        loads = failed + clean
+
+        def verdict(f: int, c: float) -> tuple[bool, bool]:
+            """(the fault follows the instance, the instance is cleared)."""
+            others = f + round(c)
+            if others == 0:
+                return False, False
+            chance = _concentrated(failed, loads, failed + f, loads + others)
+            cleared = chance < _ALPHA
+            return f >= _EVIDENCE and not cleared, cleared
+
+        p_follows, p_cleared = verdict(*self._with_others(prefill, decode, now))
+        d_follows, d_cleared = verdict(*self._with_others(decode, prefill, now))
+        return p_follows or d_cleared, d_follows or p_cleared
 
     def _blamed(self, inst: Instance, now: float) -> int:
         count = 0
-        for _, p, d in self._failures:
-            partner = d if p is inst else p if d is inst else None
-            if partner is not None and self._vouched(partner, inst, now):
-                count += 1
+        for partner, failed in self._failed.get(inst, {}).items():
+            if inst.role == "prefill":
+                against, _ = self._blame(inst, partner, failed, now)
+            else:
+                _, against = self._blame(partner, inst, failed, now)
+            if against:
+                count += failed
         return count
 
     def _judge(self, inst: Instance, now: float) -> Ejection | None:
@@ -139,7 +284,5 @@ class IntegrityTracker:
         inst.ejected_until = until
         inst.ejections += 1
         # Back from cooldown it starts with a clean slate.
-        self._failures = deque(
-            f for f in self._failures if inst is not f[1] and inst is not f[2]
-        )
+        self._drop_failures(inst)
         return Ejection(inst, None, count, until)

@@ -16,6 +16,8 @@ _TYPES = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

@@ -5,7 +5,9 @@ that fails before its first data (5xx, connection error, error event, empty
 stream, first-token timeout) after a good prefill is retried on another
 prefill (and another decode where one exists); once a byte has gone to the
 client nothing is retried and a failure ends the stream with an error event.
-A 4xx from either leg goes back to the client unchanged.
+A 4xx from either leg goes back to the client unchanged. A request that
+fails alike on two instances (its content, not the instances, is at fault)
+fails at once and counts against neither.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import logging
 import random
 import re
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from proxy.assemble import Assembler
 from proxy.auth import bearer
 from proxy.body import (
     BadRequest,
@@ -34,10 +36,13 @@ from proxy.body import (
     prefill_body,
     prefix_key,
     remote_request_id,
+    stream_body,
+    streams_alike,
 )
 from proxy.errors import error_event, error_response
 from proxy.instances import Instance, ModelPools
-from proxy.sse import DONE, First, FirstEventScanner
+from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
+from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from proxy.app import ProxyState
@@ -51,6 +56,7 @@ INTEGRITY_MARKER = "KV checksum mismatch"
 _MARKER_BYTES = INTEGRITY_MARKER.encode()
 
 _encode_json = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -60,11 +66,22 @@ class _TooLarge(Exception):
 
 @dataclass(slots=True)
 class Failure:
-    """Why an attempt failed before the client's first byte; it may be retried."""
+    """Why an attempt failed before the client's first byte; it may be retried.
+
+    ``answered`` failures are ones the instance answered (a 5xx, an error
+    event, an empty or oversized reply): the request's own content may have
+    caused them, so they count against ``instance`` only once the request is
+    over and did not fail alike elsewhere (see ``Flow._serve``). Connection
+    failures and timeouts say something about the instance and count at once.
+    """
 
     reason: str  # metric label: kv_integrity, decode_5xx, prefill_connect, ...
     message: str
     role: str  # the leg that failed: "prefill" or "decode"
+    answered: bool = False
+    instance: Instance | None = None  # the instance that answered it
+    prefill: Instance | None = None  # a decode's prefill (its KV's source)
+    status: int = 502  # what the client gets if the request itself is at fault
 
 
 @dataclass(slots=True)
@@ -81,7 +98,12 @@ class _Request:
     deadline: float
     key: bytes = b""
     prefill_body: bytes = b""
+    # The decode's body before the prefill's params: the client's, or for a
+    # non-streaming request decoded as a stream, ``stream_body``'s.
+    decode_raw: bytes = b""
+    assemble: bool = False  # a stream decoded for a non-streaming client
     outcome: str | None = None
+    answered: list[Failure] = field(default_factory=list)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -117,18 +139,42 @@ class Flow:
         return await self.handle(request, Route.CHAT)
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
-        """Checks the request, then runs attempts until one answers."""
+        """Checks the request, then runs attempts until one answers.
+
+        Only a request whose body has arrived counts against
+        ``limits.max_in_flight``: a client that never sends its body holds
+        its own connection until ``timeouts.request_body_s``, nothing more.
+        """
         st = self.state
         cfg = st.config
         metrics = st.metrics
         started = time.monotonic()
         label = route.label
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = request.headers.get("X-Request-Id") or _new_request_id()
         if st.auth.clients.required and not st.auth.clients.accepts(
             bearer(request.headers)
         ):
             metrics.count_request(label, "unauthorized")
             return error_response(401, "Invalid or missing API key", request_id)
+        try:
+            async with asyncio.timeout(cfg.timeouts.request_body_s):
+                raw = await self._read_body(request, cfg.limits.max_body_bytes)
+        except _TooLarge:
+            metrics.count_request(label, "too_large")
+            return error_response(
+                413,
+                f"Request body exceeds {cfg.limits.max_body_bytes} bytes",
+                request_id,
+            )
+        except TimeoutError:
+            metrics.count_request(label, "body_timeout")
+            resp = error_response(
+                408,
+                f"Request body not received within {cfg.timeouts.request_body_s:g}s",
+                request_id,
+            )
+            resp.force_close()
+            return resp
         if st.in_flight >= cfg.limits.max_in_flight:
             metrics.count_request(label, "rejected")
             return error_response(
@@ -137,17 +183,7 @@ class Flow:
                 request_id,
             )
         st.in_flight += 1
-        metrics.in_flight.inc()
         try:
-            try:
-                raw = await self._read_body(request, cfg.limits.max_body_bytes)
-            except _TooLarge:
-                metrics.count_request(label, "too_large")
-                return error_response(
-                    413,
-                    f"Request body exceeds {cfg.limits.max_body_bytes} bytes",
-                    request_id,
-                )
             try:
                 body = parse_request(raw, route)
             except BadRequest as exc:
@@ -172,10 +208,14 @@ class Flow:
                 started=started,
                 deadline=started + cfg.timeouts.total_s,
             )
+            try:
+                self._prepare(req)
+            except BadRequest as exc:
+                metrics.count_request(label, "bad_request")
+                return error_response(400, exc.message, request_id, exc.param)
             return await self._serve(req)
         finally:
             st.in_flight -= 1
-            metrics.in_flight.dec()
 
     @staticmethod
     async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -191,10 +231,13 @@ class Flow:
                 raise _TooLarge
         return bytes(buf)
 
-    # -------------------------------------------------------------- attempts
+    @staticmethod
+    def _prepare(req: _Request) -> None:
+        """Builds what every attempt sends: the prefill body, the routing key.
 
-    async def _serve(self, req: _Request) -> web.StreamResponse:
-        st = self.state
+        Raises:
+            BadRequest: the body cannot be re-encoded (nested too deeply).
+        """
         cfg = req.config
         pools = req.pools
         if (
@@ -203,6 +246,55 @@ class Flow:
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
         req.prefill_body = prefill_body(req.body)
+        req.decode_raw = req.body.raw
+        if (
+            not req.body.stream
+            and cfg.retry.non_stream_as_stream
+            and streams_alike(req.body)
+        ):
+            req.assemble = True
+            req.decode_raw = stream_body(req.body)
+
+    # -------------------------------------------------------------- attempts
+
+    async def _serve(self, req: _Request) -> web.StreamResponse:
+        """Runs attempts until one answers, then settles the instances' health.
+
+        A request that fails alike on two instances (same leg, same reason;
+        for a decode, with different prefills too) is at fault itself: it
+        fails at once, for its client only, and counts against no instance.
+        """
+        try:
+            return await self._attempts(req)
+        finally:
+            self._settle(req)
+
+    def _settle(self, req: _Request) -> None:
+        """Counts the request's answered failures, once per instance."""
+        if req.outcome == "request_error":
+            return
+        counted: set[Instance] = set()
+        for failure in req.answered:
+            inst = failure.instance
+            if inst is not None and inst not in counted:
+                counted.add(inst)
+                self.state.health.note(inst, ok=False)
+
+    @staticmethod
+    def _failed_alike(req: _Request, failure: Failure) -> bool:
+        """``failure`` repeats an earlier one of ``req`` on other instances."""
+        return any(
+            f.role == failure.role
+            and f.reason == failure.reason
+            and f.instance is not failure.instance
+            and (f.role == "prefill" or f.prefill is not failure.prefill)
+            for f in req.answered
+        )
+
+    async def _attempts(self, req: _Request) -> web.StreamResponse:
+        st = self.state
+        cfg = req.config
+        pools = req.pools
         probing = cfg.health.enabled
         avoid_p: set[Instance] = set()
         avoid_d: set[Instance] = set()
@@ -237,6 +329,16 @@ class Flow:
                 result = await self._attempt(req, attempt, attempt_id, prefill, decode)
                 if not isinstance(result, Failure):
                     return result
+                if result.answered:
+                    if self._failed_alike(req, result):
+                        self._finish(req, "request_error")
+                        return error_response(
+                            result.status,
+                            f"The request failed the same way on two {result.role} "
+                            f"instances: {result.message}",
+                            req.request_id,
+                        )
+                    req.answered.append(result)
                 failure = result
                 reason = f"{result.role} failed: {result.message}"
                 avoid_p.add(prefill)
@@ -248,6 +350,8 @@ class Flow:
                 result = await self._decode_only(req)
                 if not isinstance(result, Failure):
                     return result
+                if result.answered:
+                    req.answered.append(result)
                 reason = f"decode-only fallback failed: {result.message}"
         except asyncio.CancelledError:
             self._finish(req, "client_disconnected")
@@ -337,15 +441,27 @@ class Flow:
         started = time.monotonic()
         prefill.in_flight += 1
         try:
-            async with st.session.post(
+            async with await st.upstream.post(
                 prefill.urls[req.route.value],
-                data=req.prefill_body,
-                headers=headers,
-                timeout=timeout,
+                req.prefill_body,
+                headers,
+                timeout,
+                "prefill",
             ) as resp:
                 status = resp.status
-                body = await resp.read()
+                body = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
+        except ReplyTooLarge as exc:
+            st.metrics.upstream_failures.labels(
+                "prefill", prefill.url, "prefill_reply_too_large"
+            ).inc()
+            return Failure(
+                "prefill_reply_too_large",
+                f"prefill {exc}",
+                "prefill",
+                answered=True,
+                instance=prefill,
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
@@ -357,11 +473,17 @@ class Flow:
         if 400 <= status < 500:
             return _passthrough(status, body, content_type, req.request_id)
         if status >= 300:
-            st.health.note(prefill, ok=False)
             st.metrics.upstream_failures.labels(
                 "prefill", prefill.url, "prefill_5xx"
             ).inc()
-            return Failure("prefill_5xx", f"HTTP {status}: {_snippet(body)}", "prefill")
+            return Failure(
+                "prefill_5xx",
+                f"HTTP {status}: {_snippet(body)}",
+                "prefill",
+                answered=True,
+                instance=prefill,
+                status=status if status >= 500 else 502,
+            )
         try:
             kv_params = kv_params_of(body)
         except msgspec.DecodeError:
@@ -369,7 +491,11 @@ class Flow:
                 "prefill", prefill.url, "prefill_bad_reply"
             ).inc()
             return Failure(
-                "prefill_bad_reply", "prefill reply is not a JSON object", "prefill"
+                "prefill_bad_reply",
+                "prefill reply is not a JSON object",
+                "prefill",
+                answered=True,
+                instance=prefill,
             )
         st.health.note(prefill, ok=True)
         return kv_params
@@ -414,7 +540,7 @@ class Flow:
         entry: dict[str, Any],
     ) -> web.StreamResponse | Failure:
         """The decode leg; frees the prefill's held KV whenever it won't be pulled."""
-        body = decode_body(req.body, kv_params)
+        body = decode_body(req.decode_raw, kv_params)
         headers = {**decode.headers, "X-Request-Id": attempt_id}
         pulled = False  # True once the decode produced data: the KV was loaded
         decode.in_flight += 1
@@ -422,7 +548,8 @@ class Flow:
             remaining = req.remaining()
             if remaining <= 0:
                 return Failure("total_timeout", "total timeout exceeded", "decode")
-            leg = self._decode_stream if req.body.stream else self._decode_json
+            streamed = req.body.stream or req.assemble
+            leg = self._decode_stream if streamed else self._decode_json
             answer = await leg(
                 req, attempt_id, prefill, decode, body, headers, remaining, entry
             )
@@ -450,15 +577,24 @@ class Flow:
         )
         started = time.monotonic()
         try:
-            async with st.session.post(
-                decode.urls[req.route.value],
-                data=body,
-                headers=headers,
-                timeout=timeout,
+            async with await st.upstream.post(
+                decode.urls[req.route.value], body, headers, timeout, "decode"
             ) as resp:
                 status = resp.status
-                data = await resp.read()
+                data = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
+        except ReplyTooLarge as exc:
+            st.metrics.upstream_failures.labels(
+                "decode", decode.url, "decode_reply_too_large"
+            ).inc()
+            return Failure(
+                "decode_reply_too_large",
+                f"decode {exc}",
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             return self._decode_transport_failure(decode, exc, timeout)
         st.metrics.leg_decode.observe(time.monotonic() - started)
@@ -470,7 +606,7 @@ class Flow:
             self._finish(req, "upstream_4xx")
             return _passthrough(status, data, content_type, req.request_id)
         st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.body.raw)
+        self._record_clean_load(prefill, decode, body is not req.decode_raw)
         ttft, _ = st.metrics.route_histograms(req.route.label)
         ttft.observe(time.monotonic() - req.started)
         self._finish(req, "ok")
@@ -498,11 +634,12 @@ class Flow:
         scanner = FirstEventScanner()
         try:
             async with asyncio.timeout(first_token_s):
-                resp = await st.session.post(
+                resp = await st.upstream.post(
                     decode.urls[req.route.value],
-                    data=body,
-                    headers=headers,
-                    timeout=st.stream_timeout,
+                    body,
+                    headers,
+                    st.stream_timeout,
+                    "decode",
                 )
                 entry["status"] = resp.status
                 if resp.status != 200:
@@ -552,14 +689,134 @@ class Flow:
                 return self._decode_error(
                     prefill, decode, 200, verdict.message.encode()
                 )
-            st.health.note(decode, ok=False)
             st.metrics.upstream_failures.labels(
                 "decode", decode.url, "decode_empty"
             ).inc()
-            return Failure("decode_empty", verdict.message, "decode")
+            return Failure(
+                "decode_empty",
+                verdict.message,
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
         st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.body.raw)
+        self._record_clean_load(prefill, decode, body is not req.decode_raw)
+        if req.assemble:
+            return await self._collect(
+                req, attempt_id, prefill, decode, resp, scanner.held, entry
+            )
         return await self._relay(req, attempt_id, decode, resp, scanner.held, entry)
+
+    async def _collect(
+        self,
+        req: _Request,
+        attempt_id: str,
+        prefill: Instance | None,
+        decode: Instance,
+        resp: aiohttp.ClientResponse,
+        held: bytes,
+        entry: dict[str, Any],
+    ) -> web.StreamResponse | Failure:
+        """Reads the rest of a stream into one JSON reply for a non-stream client.
+
+        The client has seen nothing yet, so any failure (an error event, a
+        stall past ``stream_idle_s``, a broken or oversized stream) is a
+        Failure the flow may retry.
+        """
+        st = self.state
+        cfg = req.config
+        limit = cfg.limits.max_reply_bytes
+        idle = cfg.timeouts.stream_idle_s
+        loop = asyncio.get_running_loop()
+        reader = EventReader()
+        reply = Assembler()
+        size = len(held)
+        events = reader.feed(held)
+        done = False
+        failure: Failure | None = None
+        try:
+            now = time.monotonic()
+            async with asyncio.timeout(min(idle, req.deadline - now)) as timer:
+                while failure is None:
+                    for data in events:
+                        if data.strip() == DONE:
+                            done = True
+                            break
+                        failure = self._stream_event(prefill, decode, data, reply)
+                        if failure is not None:
+                            break
+                    if done or failure is not None:
+                        break
+                    data = await resp.content.readany()
+                    if not data:
+                        break
+                    size += len(data)
+                    if size > limit:
+                        failure = Failure(
+                            "decode_reply_too_large",
+                            f"decode reply exceeds {limit} bytes",
+                            "decode",
+                            answered=True,
+                            instance=decode,
+                            prefill=prefill,
+                        )
+                        break
+                    events = reader.feed(data)
+                    now = time.monotonic()
+                    timer.reschedule(loop.time() + min(idle, req.deadline - now))
+        except TimeoutError:
+            failure = Failure(
+                "decode_timeout",
+                "request exceeded its total timeout"
+                if time.monotonic() >= req.deadline
+                else f"decode stream idle for {idle:.3g}s",
+                "decode",
+            )
+        except aiohttp.ClientError as exc:
+            failure = Failure(
+                "decode_connect",
+                f"decode stream broke: {exc.__class__.__name__}",
+                "decode",
+            )
+        finally:
+            if failure is None and done:
+                resp.release()
+            else:
+                resp.close()
+        if failure is None and not done:
+            failure = Failure(
+                "decode_connect", "decode stream ended without [DONE]", "decode"
+            )
+        result = reply.result()
+        if failure is None and any(
+            c.get("finish_reason") == "abort" for c in result["choices"]
+        ):
+            failure = Failure(
+                "decode_aborted", "decode aborted the request mid-stream", "decode"
+            )
+        if failure is not None:
+            if not failure.answered and failure.reason != "kv_integrity":
+                # A broken connection, a stall or an abort says something
+                # about the instance: it counts now.
+                st.health.note(decode, ok=False)
+                st.metrics.upstream_failures.labels(
+                    "decode", decode.url, failure.reason
+                ).inc()
+            if not done:
+                self._abort(decode, attempt_id, None)
+            return failure
+        entry["outcome"] = "ok"
+        ttft, _ = st.metrics.route_histograms(req.route.label)
+        ttft.observe(time.monotonic() - req.started)
+        self._finish(req, "ok")
+        return web.Response(
+            body=_encode_json(result),
+            headers={
+                "Content-Type": "application/json",
+                "X-Request-Id": req.request_id,
+            },
+        )
 
     async def _relay(
         self,
@@ -594,30 +851,34 @@ class Flow:
             now = time.monotonic()
             ttft.observe(now - req.started)
             idle = cfg.timeouts.stream_idle_s
-            gap = metrics.inter_token
-            last = now
+            # The idle timer is moved only every ``slack`` seconds, not per
+            # chunk: a gap of ``idle`` is still caught, at most ``slack`` late.
+            slack = idle / 16
+            gap = metrics.gaps
+            last = armed = now
             tail = held[-16:]
             aborted = _upstream_aborted(held)
-            chunks = resp.content.iter_any().__aiter__()
+            content = resp.content
             error: str | None = None
             done = False
             try:
                 async with asyncio.timeout(
-                    min(now + idle, req.deadline) - now
+                    min(now + idle + slack, req.deadline) - now
                 ) as timer:
                     while True:
                         try:
-                            chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            break
+                            chunk = await content.readany()
                         except aiohttp.ClientError as exc:
                             error = f"decode stream broke: {exc.__class__.__name__}"
+                            break
+                        if not chunk:
                             break
                         now = time.monotonic()
                         gap.observe(now - last)
                         last = now
-                        tail = (tail + chunk)[-16:]
-                        aborted = aborted or _upstream_aborted(chunk)
+                        tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+                        if b'"abort"' in chunk and _upstream_aborted(chunk):
+                            aborted = True
                         # [DONE] is held back: an error event must come before it.
                         if chunk.endswith(_DONE_EVENT):
                             chunk = chunk[: -len(_DONE_EVENT)]
@@ -628,7 +889,11 @@ class Flow:
                         except (ConnectionError, aiohttp.ClientConnectionResetError):
                             outcome = "client_disconnected"
                             return out
-                        timer.reschedule(loop.time() + min(idle, req.deadline - now))
+                        if now - armed >= slack:
+                            armed = now
+                            timer.reschedule(
+                                loop.time() + min(idle + slack, req.deadline - now)
+                            )
             except TimeoutError:
                 error = (
                     "request exceeded its total timeout"
@@ -639,6 +904,7 @@ class Flow:
                 error = "decode aborted the request mid-stream"
             if error is None and not done and not tail.rstrip().endswith(DONE):
                 error = "decode stream ended without [DONE]"
+            last_event = _DONE_EVENT if done else b""
             if error is not None:
                 outcome = "stream_error"
                 st.health.note(decode, ok=False)
@@ -646,20 +912,13 @@ class Flow:
                     "decode", decode.url, "stream_broken"
                 ).inc()
                 entry["error"] = error
-                try:
-                    await out.write(error_event(502, error))
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    return out
-            elif done:
-                try:
-                    await out.write(_DONE_EVENT)
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    outcome = "client_disconnected"
-                    return out
+                last_event = error_event(502, error)
             try:
-                await out.write_eof()
+                # The last event and the end of the chunked body in one write.
+                await out.write_eof(last_event)
             except (ConnectionError, aiohttp.ClientConnectionResetError):
-                outcome = "client_disconnected"
+                if error is None:
+                    outcome = "client_disconnected"
             return out
         except asyncio.CancelledError:
             outcome = "client_disconnected"
@@ -675,6 +934,36 @@ class Flow:
             self._finish(req, outcome)
 
     # --------------------------------------------------------------- helpers
+
+    def _stream_event(
+        self,
+        prefill: Instance | None,
+        decode: Instance,
+        data: bytes,
+        reply: Assembler,
+    ) -> Failure | None:
+        """Adds one data event of a collected stream to ``reply``, or fails."""
+        message = error_message(data)
+        if message is not None:
+            return self._decode_error(prefill, decode, 200, message.encode())
+        try:
+            chunk = _decode_json(data)
+        except (msgspec.DecodeError, RecursionError):
+            chunk = None
+        if not isinstance(chunk, dict):
+            self.state.metrics.upstream_failures.labels(
+                "decode", decode.url, "decode_bad_reply"
+            ).inc()
+            return Failure(
+                "decode_bad_reply",
+                "decode stream event is not a JSON object",
+                "decode",
+                answered=True,
+                instance=decode,
+                prefill=prefill,
+            )
+        reply.feed(chunk)
+        return None
 
     def _decode_transport_failure(
         self, decode: Instance, exc: BaseException, timeout: aiohttp.ClientTimeout
@@ -697,10 +986,17 @@ class Flow:
                     st.on_ejection(ejection)
             return Failure("kv_integrity", message, "decode")
         reason = "decode_error_event" if status == 200 else "decode_5xx"
-        st.health.note(decode, ok=False)
         st.metrics.upstream_failures.labels("decode", decode.url, reason).inc()
         prefix = "error event" if status == 200 else f"HTTP {status}"
-        return Failure(reason, f"{prefix}: {message}", "decode")
+        return Failure(
+            reason,
+            f"{prefix}: {message}",
+            "decode",
+            answered=True,
+            instance=decode,
+            prefill=prefill,
+            status=status if status >= 500 else 500,
+        )
 
     def _record_clean_load(
         self, prefill: Instance | None, decode: Instance, loaded: bool
@@ -733,6 +1029,11 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 
 
+def _new_request_id() -> str:
+    """32 random hex digits, as uuid4().hex but without its system call."""
+    return f"{random.getrandbits(128):032x}"
+
+
 def _upstream_aborted(chunk: bytes) -> bool:
     """A chunk finishing a choice with ``abort``: the decode dropped the request.
 
@@ -750,7 +1051,7 @@ def _snippet(data: bytes, limit: int = 300) -> str:
             return str(obj["error"].get("message", obj["error"]))[:limit]
         if isinstance(obj, dict) and "message" in obj:
             return str(obj["message"])[:limit]
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         pass
     return data[:limit].decode("utf-8", "replace")
 

@@ -1,9 +1,11 @@
 """Instance health: active GET /health probes and passive request outcomes.
 
-Consecutive failures (probe or request) past ``unhealthy_threshold`` take an
-instance out; ``healthy_threshold`` passing probes bring it back. An instance
-ejected for integrity failures returns only after its cooldown *and* a
-passing probe.
+Consecutive failures past ``unhealthy_threshold`` take an instance out;
+``healthy_threshold`` passing probes bring it back. What counts is what says
+something about the instance: a failed probe, a connection failure or
+timeout, and a request that failed on it but not alike elsewhere (once per
+request; the flow decides, see ``Flow._serve``). An instance ejected for
+integrity failures returns only after its cooldown *and* a passing probe.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Health:
         self.state = state
 
     def note(self, inst: Instance, ok: bool) -> None:
-        """A request's outcome on ``inst``: failures count towards unhealthy."""
+        """An outcome on ``inst``: failures count to unhealthy, a success resets."""
         if ok:
             inst.consecutive_failures = 0
             return

@@ -46,9 +46,17 @@ class Router:
         picking a prefill, so that a prefill whose every pair is ejected is
         avoided too.
         """
+        instances = pool.instances
+        if len(instances) == 1:  # every tier below comes down to this one
+            inst = instances[0]
+            if not inst.usable():
+                return None
+            if inst.ejected and not probing:
+                self._reinstate_expired(inst, self._clock(), probing)
+            return inst
         now = self._clock()
         usable = []
-        for inst in pool.instances:
+        for inst in instances:
             if inst.usable():
                 self._reinstate_expired(inst, now, probing)
                 usable.append(inst)

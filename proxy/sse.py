@@ -37,7 +37,7 @@ def error_message(data: bytes) -> str | None:
         return None
     try:
         obj = _decode_json(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if not isinstance(obj, dict) or "error" not in obj:
         return None
@@ -88,6 +88,27 @@ class FirstEventScanner:
         if tail is not None and tail.kind is not First.EMPTY:
             return tail
         return Verdict(First.EMPTY, "stream ended before any data")
+
+
+class EventReader:
+    """Splits an SSE byte stream into the data payloads of its events."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events ``chunk`` completes (comments skipped)."""
+        buf = self._buf + chunk
+        held = b""
+        if b"\r" in buf:
+            if buf.endswith(b"\r"):  # may be half of a CRLF
+                buf, held = buf[:-1], b"\r"
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        events = buf.split(b"\n\n")
+        self._buf = events[-1] + held
+        return [d for e in events[:-1] if (d := _event_data(e)) is not None]
 
 
 def _event_data(event: bytes) -> bytes | None:

@@ -222,6 +222,8 @@ BAD_REQUESTS = [
     ),
     pytest.param(COMPLETIONS, {"prompt": 7}, "body.prompt", id="prompt-not-text"),
     pytest.param(COMPLETIONS, {"prompt": [1, 300]}, "prompt", id="token-out-of-vocab"),
+    # vLLM: "The decoder prompt cannot be empty" (400), not a failed engine step.
+    pytest.param(COMPLETIONS, {"prompt": [""]}, None, id="prompt-list-of-empty-text"),
     pytest.param(
         COMPLETIONS, {"prompt": "x" * 300}, "input_tokens", id="prompt-too-long"
     ),

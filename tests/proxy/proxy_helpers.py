@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from proxy.app import STATE, ProxyState, create_app
 from proxy.config import ProxyConfig
+from proxy.server import ProxyRunner
 
 MARKER = "KV checksum mismatch"
 
@@ -55,7 +57,19 @@ class StubEngine:
     held: set[str] = field(default_factory=set)
     cancelled: int = 0
     chunk_delay: float = 0.0
+    # Resets (RST, before any reply) a request on a connection idle this long:
+    # what a client sees when it reuses a connection the server just closed.
+    reset_idle_s: float | None = None
+    resets: int = 0
+    # Pads each JSON reply (prefill, non-stream decode) and stream event with
+    # this many bytes; JSON replies go chunked (no Content-Length) if ``chunked``.
+    pad_bytes: int = 0
+    chunked: bool = False
+    # The leg ("prefill", "decode", "any") on which the prompt [""] crashes
+    # the engine (500): a request whose content breaks every engine.
+    poison_leg: str = "any"
     runner: web.AppRunner | None = None
+    _idle_since: dict[Any, float] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -64,11 +78,53 @@ class StubEngine:
     def bodies(self, path: str = "") -> list[dict[str, Any]]:
         return [b for p, _, b in self.requests if path in p]
 
+    def _reset_if_idle(self, request: web.Request) -> bool:
+        transport = request.transport
+        if self.reset_idle_s is None or transport is None:
+            return False
+        now = asyncio.get_running_loop().time()
+        since = self._idle_since.get(transport)
+        if since is None or now - since < self.reset_idle_s:
+            return False
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+        self.resets += 1
+        return True
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self._reset_if_idle(request):
+            return web.Response()
+        try:
+            return await self._answer(request)
+        finally:
+            if request.transport is not None:
+                self._idle_since[request.transport] = asyncio.get_running_loop().time()
+
+    async def _json(
+        self, request: web.Request, obj: dict[str, Any]
+    ) -> web.StreamResponse:
+        if self.pad_bytes:
+            obj = {**obj, "padding": "x" * self.pad_bytes}
+        if not self.chunked:
+            return web.json_response(obj)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        data = msgspec.json.encode(obj)
+        for i in range(0, len(data), 65536):
+            await resp.write(data[i : i + 65536])
+        await resp.write_eof()
+        return resp
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "application/json":  # as vLLM
             return web.json_response({"error": {"message": "not JSON"}}, status=415)
         raw = await request.read()
-        body = msgspec.json.decode(raw)
+        try:
+            body = msgspec.json.decode(raw)
+        except RecursionError:
+            body = {"unparsable": True}
         self.requests.append((request.path, request.headers.copy(), body))
         rid = request.headers.get("X-Request-Id", "none")
         if self.mode == "bad400":
@@ -95,10 +151,23 @@ class StubEngine:
             )
         kvp = body.get("kv_transfer_params")
         prompt = body.get("prompt", body.get("messages"))
-        if kvp and kvp.get("do_remote_decode"):
+        leg = "prefill" if kvp and kvp.get("do_remote_decode") else "decode"
+        if prompt == [""] and self.poison_leg in (leg, "any"):
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "engine step failed",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                },
+                status=500,
+            )
+        if leg == "prefill":
             internal = f"internal-{rid}"
             self.held.add(internal)
-            return web.json_response(
+            return await self._json(
+                request,
                 {
                     "id": rid,
                     "choices": [{"index": 0, "text": expected_text(prompt, 1)}],
@@ -114,7 +183,7 @@ class StubEngine:
                         "kv_checksums": "AAEC",
                         "future_field": {"x": 1},
                     },
-                }
+                },
             )
         if self.mode == "hang":  # stuck before pulling the KV
             try:
@@ -144,12 +213,13 @@ class StubEngine:
         if not stream:
             if failed:
                 return web.json_response(err, status=500)
-            return web.json_response(
+            return await self._json(
+                request,
                 {
                     "id": rid,
                     "object": "text_completion",
                     "choices": [{"index": 0, "text": text}],
-                }
+                },
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -165,6 +235,8 @@ class StubEngine:
             words = text.split(" ")[1:]
             for i, word in enumerate(words):
                 chunk = {"id": rid, "choices": [{"index": 0, "text": " " + word}]}
+                if self.pad_bytes:
+                    chunk["padding"] = "x" * self.pad_bytes
                 await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
                 if self.mode == "die" and i == 1:
                     assert request.transport is not None
@@ -270,7 +342,7 @@ async def run_proxy(
 ) -> AsyncIterator[RunningProxy]:
     """Serves ``config`` on a free port the way ``kvguard proxy`` does."""
     app = create_app(config, source)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = ProxyRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -77,10 +77,10 @@ async def test_prefill_body_follows_the_wire_protocol_and_keeps_other_fields(stu
 async def test_decode_gets_the_original_body_plus_the_prefills_params_verbatim(stubs):
     p, d = await stubs(), await stubs()
     async with run_proxy(make_config([p.url], [d.url])) as px:
-        await (await px.post("/v1/completions", COMPLETION)).read()
+        await (await px.post("/v1/completions", {**COMPLETION, "stream": True})).read()
     (sent,) = d.bodies()
     kvp = sent.pop("kv_transfer_params")
-    assert sent == COMPLETION
+    assert sent == {**COMPLETION, "stream": True}
     assert kvp["kv_checksums"] == "AAEC"
     assert kvp["future_field"] == {"x": 1}  # unknown keys kept
     assert kvp["remote_port"] == p.port
@@ -338,3 +338,51 @@ async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
                 break
     assert p.held == set()
     assert ["gone-2"] in d.aborts
+
+
+async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        reply = await resp.json()
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert reply["choices"][0]["text"] == expected_text("hello world", 6)
+    (sent,) = d.bodies()
+    del sent["kv_transfer_params"]
+    assert sent == {
+        **COMPLETION,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs):
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], retry={"non_stream_as_stream": False})
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+    (sent,) = d.bodies()
+    del sent["kv_transfer_params"]
+    assert sent == COMPLETION
+
+
+async def test_non_stream_first_token_timeout_is_retried(stubs):
+    p, d_hang, d_good = await stubs(), await stubs("hang"), await stubs()
+    config = make_config(
+        [p.url],
+        [d_hang.url, d_good.url],
+        retry={"backoff_base_s": 0},
+        timeouts={"decode_first_token_s": 0.3, "total_s": 30},
+    )
+    async with run_proxy(config) as px:
+        for _ in range(2):
+            started = time.monotonic()
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["text"] == expected_text(
+                "hello world", 6
+            )
+            assert time.monotonic() - started < 5
+    await asyncio.sleep(0.1)
+    assert len(d_hang.aborts) == len(d_hang.requests) >= 1

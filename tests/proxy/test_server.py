@@ -290,3 +290,52 @@ async def test_ejected_instance_is_probed_back_after_its_cooldown(stubs):
         p.mode = "ok"
         await px.state.health.check_all()
         assert not inst.ejected and inst.healthy
+
+
+async def test_metrics_can_be_put_behind_a_key(stubs, monkeypatch):
+    monkeypatch.setenv("SCRAPE_KEY", "prom")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"metrics_key_env": "SCRAPE_KEY"})
+    async with run_proxy(config) as px:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            async with px.session.get(px.url + "/metrics", headers=headers) as resp:
+                assert resp.status == 401
+                body = await resp.json()
+                assert body["error"]["type"] == "AuthenticationError"
+                assert p.url not in await resp.text()
+        async with px.session.get(
+            px.url + "/metrics", headers={"Authorization": "Bearer prom"}
+        ) as resp:
+            assert resp.status == 200
+            assert p.url in await resp.text()
+
+
+async def test_admin_api_reads_only_backend_key_variables(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    monkeypatch.setenv("KVGUARD_BACKEND_KEY_P2", "p2-secret")
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with run_proxy(config) as px:
+        for name in ("ADM", "HOME", "PATH", "KVGUARD_BACKEND_KEY_"):
+            status, body = await admin(
+                px,
+                "POST",
+                "/admin/instances",
+                json={"role": "prefill", "url": p2.url, "api_key_env": name},
+            )
+            assert status == 400, name
+            assert "KVGUARD_BACKEND_KEY_" in body["error"]["message"]
+        status, _ = await admin(
+            px,
+            "POST",
+            "/admin/instances",
+            json={
+                "role": "prefill",
+                "url": p2.url,
+                "api_key_env": "KVGUARD_BACKEND_KEY_P2",
+            },
+        )
+        assert status == 200
+        await admin(px, "POST", "/admin/instances/drain", json={"url": p1.url})
+        assert (await px.post("/v1/completions", COMPLETION)).status == 200
+    assert p2.requests[0][1]["Authorization"] == "Bearer p2-secret"

@@ -1,0 +1,110 @@
+"""A non-streaming reply assembled from the decode's stream.
+
+The proxy decodes a non-streaming request as a stream so that the decode's
+first token bounds a hung KV load (``timeouts.decode_first_token_s``), as it
+does for a client's stream. The client still gets one JSON reply: the chunks'
+deltas merged per choice, text concatenated, as vLLM's non-streaming reply
+carries them. Fields vLLM sends only outside a stream (``kv_transfer_params``,
+``prompt_logprobs`` and the like, null for a decode) are absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# String fields whose deltas are pieces of one text; other strings (ids,
+# roles, finish reasons, tool names) are whole values, the last one kept.
+_PIECES = frozenset(
+    {"text", "content", "reasoning", "reasoning_content", "arguments", "refusal"}
+)
+
+_OBJECT = {"chat.completion.chunk": "chat.completion"}
+
+
+class Assembler:
+    """Merges stream chunks (parsed ``data:`` events) into one reply."""
+
+    __slots__ = ("_choices", "_top")
+
+    def __init__(self) -> None:
+        self._top: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        """Adds one chunk; chunks come in stream order."""
+        for key, value in chunk.items():
+            if key == "choices":
+                for choice in value or ():
+                    if isinstance(choice, dict):
+                        self._choice(choice)
+            elif value is not None or key not in self._top:
+                self._top[key] = value
+
+    def _choice(self, delta: dict[str, Any]) -> None:
+        index = delta.get("index", 0)
+        into = self._choices.get(index)
+        if into is None:
+            into = self._choices[index] = {}
+        for key, value in delta.items():
+            if key == "delta":  # chat: the message's pieces
+                message = into.setdefault("message", {})
+                if isinstance(value, dict):
+                    _merge(message, value)
+            else:
+                _merge(into, {key: value})
+
+    def result(self) -> dict[str, Any]:
+        """The assembled reply, shaped like vLLM's non-streaming one."""
+        reply = dict(self._top)
+        obj = reply.get("object")
+        if isinstance(obj, str):
+            reply["object"] = _OBJECT.get(obj, obj)
+        reply["choices"] = [self._choices[i] for i in sorted(self._choices)]
+        if "usage" in reply:  # vLLM puts it after the choices
+            reply["usage"] = reply.pop("usage")
+        return reply
+
+
+def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Merges one delta into ``into``: pieces of text join, lists extend
+    (tool calls merge by their ``index``), nested objects merge, other values
+    replace unless null."""
+    for key, value in delta.items():
+        old = into.get(key)
+        if value is None:
+            into.setdefault(key, None)
+        elif old is None:
+            into[key] = _copy(value)
+        elif isinstance(value, str) and isinstance(old, str) and key in _PIECES:
+            into[key] = old + value
+        elif isinstance(value, list) and isinstance(old, list):
+            if key == "tool_calls":
+                _merge_indexed(old, value)
+            else:
+                old.extend(_copy(value))
+        elif isinstance(value, dict) and isinstance(old, dict):
+            _merge(old, value)
+        else:
+            into[key] = _copy(value)
+
+
+def _merge_indexed(into: list[Any], items: list[Any]) -> None:
+    """Tool call deltas: each names the call it continues by ``index``."""
+    for item in items:
+        if isinstance(item, dict) and "index" in item:
+            for old in into:
+                if isinstance(old, dict) and old.get("index") == item["index"]:
+                    _merge(old, item)
+                    break
+            else:
+                into.append(_copy(item))
+        else:
+            into.append(_copy(item))
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value

@@ -1,0 +1,137 @@
+"""Backends that fail in ways that say nothing about their health, or hang:
+the proxy must neither eject them nor keep a client waiting (issue 10)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from proxy_helpers import make_config, run_proxy
+
+from proxy.config import TimeoutsConfig
+
+COMPLETION = {"prompt": "hi", "max_tokens": 4}
+
+
+def test_pooled_connections_are_dropped_before_vllms_idle_timeout():
+    # uvicorn (vLLM's server) closes keep-alive connections idle for 5 s.
+    assert TimeoutsConfig().backend_keepalive_s < 5
+
+
+async def test_reset_on_a_reused_connection_is_retried_and_not_held_against_it(
+    stubs,
+):
+    p, d = await stubs(reset_idle_s=0.2), await stubs(reset_idle_s=0.2)
+    config = make_config(
+        [p.url],
+        [d.url],
+        timeouts={"backend_keepalive_s": 30},  # keep them past the backends' 0.2 s
+        health={"interval_s": 30, "unhealthy_threshold": 1},
+    )
+    async with run_proxy(config) as px:
+        for stream in (False, True, False, True):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            await asyncio.sleep(0.3)
+        metrics = await px.metrics()
+        instances = list(px.state.all_instances())
+    # Every other request reuses a pooled connection (a retry's is not kept).
+    assert p.resets == d.resets == 2
+    assert all(i.healthy and i.consecutive_failures == 0 for i in instances)
+    assert "kvguard_proxy_upstream_failures_total{" not in metrics
+    assert "kvguard_proxy_retries_total{" not in metrics
+    assert 'kvguard_proxy_backend_reconnects_total{role="prefill"}' in metrics
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_oversized_prefill_reply_fails_the_attempt_saying_why(stubs, chunked):
+    big, ok, d = (
+        await stubs(pad_bytes=200_000, chunked=chunked),
+        await stubs(),
+        await stubs(),
+    )
+    config = make_config(
+        [big.url, ok.url],
+        [d.url],
+        limits={"max_reply_bytes": 65536},
+        retry={"backoff_base_s": 0},
+    )
+    async with run_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them tries the big one first
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+        metrics = await px.metrics()
+    assert 'kvguard_proxy_retries_total{reason="prefill_reply_too_large"} 1.0' in (
+        metrics
+    )
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
+    p, d = await stubs(), await stubs(pad_bytes=200_000, chunked=chunked)
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_reply_bytes": 65536},
+        retry={"backoff_base_s": 0, "max_attempts": 1},
+    )
+    async with run_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        body = await resp.json()
+    assert resp.status >= 500
+    assert "exceeds 65536 bytes" in body["error"]["message"]
+
+
+POISON = {"prompt": [""], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+@pytest.mark.parametrize("size", [1, 2], ids=["1p1d", "2p2d"])
+async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
+    stubs, leg, size
+):
+    # Issue 10's pattern, scaled down: one poison request every 0.3 s (the
+    # issue: 3 s) while other clients keep sending; probes every second.
+    prefills = [await stubs(poison_leg=leg) for _ in range(size)]
+    decodes = [await stubs(poison_leg=leg) for _ in range(size)]
+    config = make_config(
+        [p.url for p in prefills],
+        [d.url for d in decodes],
+        health={"interval_s": 1.0, "unhealthy_threshold": 2},
+        retry={"backoff_base_s": 0.001},
+    )
+    others: list[int] = []
+    poison: list[tuple[int, float, str]] = []
+    async with run_proxy(config) as px:
+        stop = asyncio.Event()
+
+        async def client() -> None:
+            while not stop.is_set():
+                resp = await px.post("/v1/completions", COMPLETION)
+                await resp.read()
+                others.append(resp.status)
+                await asyncio.sleep(0.005)
+
+        async def poisoner() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                resp = await px.post("/v1/completions", POISON)
+                message = (await resp.json())["error"]["message"]
+                poison.append((resp.status, time.monotonic() - started, message))
+                await asyncio.sleep(0.3)
+
+        tasks = [asyncio.create_task(client()) for _ in range(4)]
+        tasks.append(asyncio.create_task(poisoner()))
+        await asyncio.sleep(2.5)
+        stop.set()
+        await asyncio.gather(*tasks)
+        healthy = [i.healthy for i in px.state.all_instances()]
+    failed = [s for s in others if s != 200]
+    assert len(others) > 50 and not failed, f"{len(failed)}/{len(others)} failed"
+    assert all(healthy)
+    assert len(poison) >= 3
+    assert all(status >= 500 and "engine step failed" in m for status, _, m in poison)
+    if size == 2:  # failed the same way on two instances: the client is told at once
+        assert all(status == 500 and "two" in m for status, _, m in poison)

@@ -1,0 +1,187 @@
+"""Clients that try to break the proxy: every answer is OpenAI error JSON, and
+no client can lock others out or reach what it must not (issue 10)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import msgspec
+import pytest
+from multidict import CIMultiDict
+from proxy_helpers import make_config, run_proxy
+
+COMPLETION = {"prompt": "hi", "max_tokens": 4}
+
+
+async def raw_exchange(url: str, data: bytes) -> bytes:
+    """Sends ``data`` on a fresh socket and returns everything until EOF."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def parse_reply(raw: bytes) -> tuple[int, CIMultiDict[str], bytes]:
+    """(status, headers, body) of one HTTP/1.1 reply."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers[name.strip()] = value.strip()
+    return int(status_line.split()[1]), CIMultiDict(headers), body
+
+
+def assert_openai_error(status: int, headers: Mapping[str, str], body: bytes) -> dict:
+    assert headers["Content-Type"].startswith("application/json"), (status, body)
+    error = msgspec.json.decode(body)["error"]
+    assert error["code"] == status
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    return error
+
+
+# --------------------------------------------------------------- item 1
+
+
+async def test_deeply_nested_json_is_a_400_in_openai_error_json(stubs):
+    # A body the proxy can parse goes on, and these backends refuse it with 400;
+    # around the interpreter's recursion limit either way must give a 400.
+    p, d = await stubs("bad400"), await stubs("bad400")
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        for depth in (*range(900, 1001, 5), 2000, 100_000):
+            nested = b"[" * depth + b"]" * depth
+            for route, field in (
+                ("/v1/completions", b"prompt"),
+                ("/v1/chat/completions", b"messages"),
+            ):
+                body = b'{"%s": %s, "max_tokens": 1}' % (field, nested)
+                resp = await px.post(route, body)
+                assert resp.status == 400, (depth, await resp.text())
+                error = assert_openai_error(400, resp.headers, await resp.read())
+                if depth >= 1000:  # refused by the proxy itself
+                    assert "nested" in error["message"]
+
+
+# --------------------------------------------------------------- item 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models", "/admin/instances"])
+async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
+    monkeypatch.setenv("TEST_KEYS", "k1")
+    monkeypatch.setenv("ADM", "adm")
+    p, d = await stubs(), await stubs()
+    config = make_config(
+        [p.url], [d.url], auth={"api_keys_env": "TEST_KEYS", "admin_key_env": "ADM"}
+    )
+    async with run_proxy(config) as px:
+        method = "GET" if path != "/v1/completions" else "POST"
+        body = msgspec.json.encode(COMPLETION)
+        raw = await raw_exchange(
+            px.url,
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n".encode()
+            + b"Authorization: Bearer \xff\xfe\x80k1\r\n\r\n"
+            + body,
+        )
+    status, headers, payload = parse_reply(raw)
+    assert status == 401
+    assert_openai_error(status, headers, payload)
+    assert p.requests == []
+
+
+# --------------------------------------------------------------- item 8
+
+
+@pytest.mark.parametrize(
+    ("name", "request_bytes", "status"),
+    [
+        (
+            "10KB X-Request-Id",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: "
+            + b"a" * 10_000
+            + b"\r\nContent-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        (
+            "bare LF inside a header value",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        (
+            "NUL in a header",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            400,
+        ),
+        ("garbage request line", b"\x16\x03\x01 hello\r\n\r\n", 400),
+        (
+            "unknown path",
+            b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            404,
+        ),
+        (
+            "wrong method",
+            b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            405,
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+async def test_every_error_the_proxy_writes_is_openai_json(
+    stubs, name, request_bytes, status
+):
+    p, d = await stubs(), await stubs()
+    async with run_proxy(make_config([p.url], [d.url])) as px:
+        raw = await raw_exchange(px.url, request_bytes)
+    got, headers, body = parse_reply(raw)
+    assert got == status, (name, raw[:300])
+    assert_openai_error(status, headers, body)
+
+
+# --------------------------------------------------------------- item 5
+
+
+async def test_clients_that_never_send_their_body_lock_nobody_out(stubs):
+    p, d = await stubs(), await stubs()
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_in_flight": 2},
+        timeouts={"request_body_s": 1.0},
+    )
+    async with run_proxy(config) as px:
+        host, port = px.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(8):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
+            await writer.drain()
+            stalled.append((reader, writer))
+        await asyncio.sleep(0.2)  # their handlers are waiting for the body
+        for _ in range(3):
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+        started = asyncio.get_running_loop().time()
+        for reader, writer in stalled:
+            async with asyncio.timeout(5):
+                raw = await reader.readuntil(b"\r\n\r\n")
+                _, headers, _ = parse_reply(raw)
+                raw += await reader.readexactly(int(headers["Content-Length"]))
+            writer.close()
+            status, headers, body = parse_reply(raw)
+            assert status == 408
+            assert_openai_error(status, headers, body)
+        waited = asyncio.get_running_loop().time() - started
+        assert waited < 3  # the body wait is bounded
+        assert px.state.in_flight == 0
