@@ -45,7 +45,7 @@ from engine_patch.vllm.config import (
     parse_settings,
 )
 from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
-from engine_patch.vllm.scheduler_side import KVGuardScheduler
+from engine_patch.vllm.scheduler_side import KVGuardSchedulerSide
 from engine_patch.vllm.stats import KVGuardConnectorStats, KVGuardPromMetrics
 from engine_patch.vllm.worker_side import KVGuardWorker
 
@@ -98,10 +98,10 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[assignment]
             inner_config, role, kv_cache_config
         )
-        self._scheduler: KVGuardScheduler | None = None
+        self._scheduler: KVGuardSchedulerSide | None = None
         self._worker: KVGuardWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KVGuardScheduler(
+            self._scheduler = KVGuardSchedulerSide(
                 vllm_config, kv_cache_config, self._inner, self._settings
             )
         else:

@@ -82,12 +82,12 @@ class _Loads:
 
 
 def _timed(
-    method: Callable[Concatenate[KVGuardScheduler, _P], _T],
-) -> Callable[Concatenate[KVGuardScheduler, _P], _T]:
+    method: Callable[Concatenate[KVGuardSchedulerSide, _P], _T],
+) -> Callable[Concatenate[KVGuardSchedulerSide, _P], _T]:
     """Add the method's time to the scheduler's own (its overhead)."""
 
     @functools.wraps(method)
-    def timed(self: KVGuardScheduler, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    def timed(self: KVGuardSchedulerSide, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
@@ -97,7 +97,7 @@ def _timed(
     return timed
 
 
-class KVGuardScheduler:
+class KVGuardSchedulerSide:
     """The scheduler-side checksum logic of one engine."""
 
     def __init__(
