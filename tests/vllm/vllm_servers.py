@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -62,11 +63,44 @@ def ensure_model() -> Path:
     return MODEL_DIR
 
 
+# Ports handed out by free_port in this process.
+_PORTS: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections."""
+    try:
+        return int(
+            Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        )
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, and not handed out before here.
+
+    Chosen below the range the kernel takes outgoing connections' local
+    ports from: a server binds its ports (NIXL's side channel) a minute or
+    more after they are chosen, and a port chosen in that range was seen
+    taken by then ("Address already in use").
+
+    Raises:
+        RuntimeError: If no free port is found.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, _ephemeral_low())
+        if port in _PORTS:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def _group_pids(pgid: int) -> list[int]:
@@ -606,8 +640,6 @@ def deltas(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str,
 def prompts(count: int, seed: int = 0, words: tuple[int, int] = (20, 150)) -> list[str]:
     """Distinct prompts of ``words`` words (about two tokens each), none a
     prefix of another."""
-    import random
-
     vocabulary = [
         "producer", "consumer", "checksum", "block", "prefill", "decode",
         "cache", "key", "value", "token", "layer", "head", "proxy", "retry",
