@@ -14,7 +14,7 @@ PYTHON=${PYTHON:-python3.11}
 VENV=${KVGUARD_VLLM_VENV:-.venv-vllm}
 WORK=${KVGUARD_VLLM_WORK:-$PWD/build/vllm-test}
 # The whole run, tests included, stays under this many seconds.
-LIMIT_S=${KVGUARD_VLLM_LIMIT_S:-1080}
+LIMIT_S=${KVGUARD_VLLM_LIMIT_S:-1800}
 export KVGUARD_VLLM_WORK=$WORK
 export KVGUARD_TINY_MODEL=${KVGUARD_TINY_MODEL:-$WORK/tiny-llama}
 export KVGUARD_VLLM_PYTHON=$PWD/$VENV/bin/python

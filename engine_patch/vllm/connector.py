@@ -5,10 +5,22 @@ Every call goes to the inner connector; KVGuard adds the checksums of
 engine_patch around them (:mod:`engine_patch.vllm.scheduler_side` in the
 scheduler process, :mod:`engine_patch.vllm.worker_side` in each worker) and
 wraps the inner connector's metadata and stats in its own.
+
+It runs in one of two modes, logged at startup:
+
+- same-step verdicts, with KVGuard's scheduler class
+  (``--scheduler-cls engine_patch.vllm.scheduler.KVGuardScheduler``, or
+  ``KVGuardAsyncScheduler`` with async scheduling): each finished load is
+  verified in the ``update_from_output`` that reports it, so no load waits;
+- connector-only: a fail-closed load is held back one engine step, until
+  the scheduler's verdict reaches the workers in the next step's metadata.
+
+The workers learn the mode from each step's metadata (``hold_loads``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -45,7 +57,7 @@ from engine_patch.vllm.config import (
     parse_settings,
 )
 from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
-from engine_patch.vllm.scheduler_side import KVGuardScheduler
+from engine_patch.vllm.scheduler_side import KVGuardSchedulerSide
 from engine_patch.vllm.stats import KVGuardConnectorStats, KVGuardPromMetrics
 from engine_patch.vllm.worker_side import KVGuardWorker
 
@@ -57,6 +69,25 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+logger = logging.getLogger(__name__)
+
+# Set on KVGuard's scheduler classes: they verify loads in the connector's
+# stead (engine_patch.vllm.scheduler).
+SAME_STEP_VERDICTS_ATTR = "kvguard_same_step_verdicts"
+
+
+def _same_step_scheduler(vllm_config: VllmConfig) -> bool:
+    """Whether the configured scheduler class is one of KVGuard's (it then
+    calls :meth:`KVGuardConnector.use_same_step_verdicts` once built)."""
+    configured = vllm_config.scheduler_config.scheduler_cls
+    if isinstance(configured, str):
+        try:
+            configured = vllm_config.scheduler_config.get_scheduler_cls()
+        except (ImportError, AttributeError, ValueError):
+            return False  # vLLM reports it when it builds the scheduler.
+    return bool(getattr(configured, SAME_STEP_VERDICTS_ATTR, False))
 
 
 class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
@@ -98,12 +129,14 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[assignment]
             inner_config, role, kv_cache_config
         )
-        self._scheduler: KVGuardScheduler | None = None
+        self._scheduler: KVGuardSchedulerSide | None = None
         self._worker: KVGuardWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KVGuardScheduler(
+            self._scheduler = KVGuardSchedulerSide(
                 vllm_config, kv_cache_config, self._inner, self._settings
             )
+            if not _same_step_scheduler(vllm_config):
+                self._log_mode()
         else:
             self._worker = self._make_worker(vllm_config, kv_cache_config)
 
@@ -123,6 +156,48 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     def inner(self) -> KVConnectorBase_V1:
         """The wrapped connector."""
         return self._inner
+
+    def _log_mode(self) -> None:
+        assert self._scheduler is not None
+        if not self._scheduler.enabled:
+            logger.info("KVGuard: KV checksums are disabled.")
+        elif self._scheduler.same_step:
+            logger.info(
+                "KVGuard mode: same-step verdicts (the scheduler class verifies "
+                "each finished KV load in the step that reports it; no load waits)."
+            )
+        elif self._scheduler.hold_loads:
+            logger.info(
+                "KVGuard mode: connector-only (each finished KV load waits one "
+                "engine step for its verdict; --scheduler-cls "
+                "engine_patch.vllm.scheduler.KVGuardScheduler verifies it in the "
+                "same step)."
+            )
+        else:
+            logger.info(
+                "KVGuard mode: connector-only, fail-open (loads are verified "
+                "after they finish and used whatever the outcome)."
+            )
+
+    # ==============================
+    # KVGuard's scheduler class
+    # ==============================
+
+    def use_same_step_verdicts(self) -> None:
+        """Called by KVGuard's scheduler class once, at startup: it verifies
+        each step's finished loads (:meth:`verify_finished_loads`), so the
+        workers release them at once."""
+        assert self._scheduler is not None
+        self._scheduler.use_same_step_verdicts()
+        self._log_mode()
+
+    def verify_finished_loads(self, connector_output: KVConnectorOutput) -> None:
+        """Verify the step's finished loads before vLLM reads its failed ones:
+        each load that fails verification (fail-closed) is added to
+        ``connector_output.failed_recving``. ``update_connector_output``,
+        called later with the same output, does not verify them again."""
+        assert self._scheduler is not None
+        self._scheduler.verify_finished_loads(connector_output)
 
     # ==============================
     # Class methods: the inner connector's, from the config.
@@ -203,9 +278,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.flush_finished()
             counts.update(self._scheduler.take_stats() or {})
         if self._worker is not None:
-            worker_counts = self._worker.take_stats()
-            if any(worker_counts.values()):
-                counts.update(worker_counts)
+            counts.update(self._worker.take_stats() or {})
         inner = self._inner.get_kv_connector_stats()
         if not counts and inner is None:
             return None
@@ -234,7 +307,9 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.bind_connector_metadata(connector_metadata.inner)
         assert self._worker is not None
         self._worker.begin_step(
-            connector_metadata.checksums, connector_metadata.verdicts
+            connector_metadata.checksums,
+            connector_metadata.verdicts,
+            hold_loads=connector_metadata.hold_loads,
         )
 
     def clear_connector_metadata(self) -> None:
@@ -357,6 +432,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         checksums, verdicts = self._scheduler.build_meta(scheduler_output)
         return KVGuardConnectorMetadata(
             inner=self._inner.build_connector_meta(scheduler_output),
+            hold_loads=self._scheduler.hold_loads,
             checksums=checksums,
             verdicts=verdicts,
         )

@@ -17,19 +17,21 @@ from engine_patch.types import KVChecksumRecord, KVChecksumScheduled
 class KVGuardConnectorMetadata(KVConnectorMetadata):
     """Scheduler → workers, per step.
 
-    ``verdicts``: per finished load the scheduler verified, whether it
-    failed; a worker holds a load back from vLLM until it has its verdict.
+    ``hold_loads``: whether the workers hold each finished load back from
+    vLLM until its verdict (fail-closed without KVGuard's scheduler class,
+    which verifies loads in the step that reports them). ``verdicts``: per
+    held load the scheduler verified, whether it failed.
     """
 
     inner: KVConnectorMetadata
+    hold_loads: bool
     checksums: KVChecksumScheduled | None = None
     verdicts: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
 class WorkerReport:
-    """One worker's step: its checksums and the loads it checksummed (held
-    back from vLLM until their verdicts)."""
+    """One worker's step: its checksums and the loads it checksummed."""
 
     record: KVChecksumRecord | None
     finished_loads: list[str]

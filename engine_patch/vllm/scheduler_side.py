@@ -2,20 +2,29 @@
 :class:`~engine_patch.scheduler.KVChecksumScheduler` from the connector
 calls vLLM makes, around the inner connector's.
 
-vLLM 0.32's ``Scheduler.update_from_output`` calls a finished request's
-``request_finished*`` before ``update_connector_output`` brings the step's
-worker results, and handles failed loads before either. So:
+vLLM 0.32's ``Scheduler.update_from_output`` handles failed loads first,
+then calls a finished request's ``request_finished*``, and only then
+``update_connector_output`` with the step's worker results. So:
 
 - a producer's checksums, computed in the step that finishes its prompt,
   arrive after ``request_finished``: the request's ``kv_transfer_params``
   dict is kept and filled in ``update_connector_output`` (same call, before
   the step's outputs leave the engine);
 - a consumer's finished load is checksummed by the workers before any later
-  step can write its blocks and, under fail-closed, held back from vLLM
-  until the scheduler has verified it and sent its verdict in a later step's
-  metadata; a failed verification then reaches vLLM as a failed load
-  (``failed_recving``), which vLLM handles by its ``kv_load_failure_policy``.
-  Fail-open holds nothing: the outcome is only counted and logged.
+  step can write its blocks. With KVGuard's scheduler class
+  (:mod:`engine_patch.vllm.scheduler`) it is verified at the start of the
+  ``update_from_output`` that reports it, and a failed verification joins
+  the step's ``failed_recving`` before vLLM reads it (same-step verdicts).
+  Connector-only, a fail-closed load is held back from vLLM by the workers
+  until the scheduler has verified it and sent its verdict in a later
+  step's metadata (one engine step), and a failed verification then
+  reaches vLLM as a failed load. vLLM applies its
+  ``kv_load_failure_policy`` either way. Fail-open holds nothing: the
+  outcome is only counted and logged.
+
+Steps with nothing of KVGuard's pending (most of them: a producer's engine
+steps idly while NIXL holds finished requests' blocks) cost a few attribute
+checks; only the calls that do work are timed into ``scheduler_seconds``.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
 from engine_patch.vllm.host import ConnectorHooks, RequestAt, convert_kv_cache_config
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
-from engine_patch.vllm.stats import checksum_deltas, snapshot
+from engine_patch.vllm.stats import Snapshot, checksum_deltas
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,7 +82,8 @@ class _Finished:
 
 @dataclass
 class _Loads:
-    """Finished loads the workers hold back, by request id."""
+    """Connector-only mode: finished loads the workers hold back, by request
+    id."""
 
     # Workers that reported the load checksummed.
     reported: Counter[str] = field(default_factory=Counter)
@@ -82,12 +92,12 @@ class _Loads:
 
 
 def _timed(
-    method: Callable[Concatenate[KVGuardScheduler, _P], _T],
-) -> Callable[Concatenate[KVGuardScheduler, _P], _T]:
+    method: Callable[Concatenate[KVGuardSchedulerSide, _P], _T],
+) -> Callable[Concatenate[KVGuardSchedulerSide, _P], _T]:
     """Add the method's time to the scheduler's own (its overhead)."""
 
     @functools.wraps(method)
-    def timed(self: KVGuardScheduler, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    def timed(self: KVGuardSchedulerSide, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
@@ -97,7 +107,7 @@ def _timed(
     return timed
 
 
-class KVGuardScheduler:
+class KVGuardSchedulerSide:
     """The scheduler-side checksum logic of one engine."""
 
     def __init__(
@@ -115,15 +125,25 @@ class KVGuardScheduler:
             ConnectorHooks(inner),
         )
         self._kv_cache_manager: KVCacheManager | None = None
+        # Whether KVGuard's scheduler class verifies loads (same-step verdicts).
+        self._same_step = False
+        # The step output the scheduler class verified, which
+        # update_connector_output then brings again: not verified twice.
+        self._verified: KVConnectorOutput | None = None
         # Producer requests that may send KV, by id.
         self._producers: dict[str, Request] = {}
         # Per request: the locally computed tokens its connector lookup saw.
         self._num_local_tokens: dict[str, int] = {}
+        # Whether a load started since the last metadata (its blocks go to
+        # the workers in the next one).
+        self._loads_started = False
         self._finished: list[_Finished] = []
         self._loads = _Loads()
         # Loads failed since the last stats, with their error messages.
         self._failed_loads: dict[str, str] = {}
-        self._reported = snapshot(KVChecksumStats())
+        self._reported = Snapshot()
+        # Whether outcomes may have changed since the last stats.
+        self._outcomes = False
         # Time in KVGuard's scheduler-side code since the last stats.
         self._seconds = 0.0
 
@@ -136,15 +156,38 @@ class KVGuardScheduler:
         """Outcomes since start."""
         return self._checksums.stats if self._checksums else KVChecksumStats()
 
+    @property
+    def same_step(self) -> bool:
+        """Whether KVGuard's scheduler class verifies the loads."""
+        return self._same_step
+
+    @property
+    def hold_loads(self) -> bool:
+        """Whether the workers hold finished loads until their verdicts:
+        fail-closed without KVGuard's scheduler class."""
+        return (
+            self._checksums is not None
+            and self._checksums.fail_closed
+            and not self._same_step
+        )
+
+    def use_same_step_verdicts(self) -> None:
+        """KVGuard's scheduler class verifies each step's finished loads
+        (:meth:`verify_finished_loads`): the workers hold none."""
+        self._same_step = True
+
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
 
-    @_timed
     def on_new_request(self, request: Request) -> None:
         """Before the inner connector sees it (NIXL clears a consumer's
         ``do_remote_prefill`` once its load starts)."""
-        if self._checksums is None:
-            return
+        if self._checksums is not None and request.kv_transfer_params:
+            self._on_new_request(request)
+
+    @_timed
+    def _on_new_request(self, request: Request) -> None:
+        assert self._checksums is not None
         self._checksums.on_new_request(request)
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode"):
@@ -156,20 +199,25 @@ class KVGuardScheduler:
         if self._checksums is not None:
             self._num_local_tokens[request.request_id] = num_computed_tokens
 
-    @_timed
     def on_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """After the inner connector's ``update_state_after_alloc``: a load of
         ``num_external_tokens`` starts."""
-        if self._checksums is None or num_external_tokens <= 0:
-            return
+        if self._checksums is not None and num_external_tokens > 0:
+            self._on_alloc(request, blocks, num_external_tokens)
+
+    @_timed
+    def _on_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._checksums is not None
         num_local = self._num_local_tokens.get(request.request_id, 0)
         self._checksums.add_recv(
             RequestAt(request, num_local + num_external_tokens), blocks, num_local
         )
+        self._loads_started = True
 
-    @_timed
     def build_meta(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
@@ -177,49 +225,79 @@ class KVGuardScheduler:
 
         Runs before vLLM counts the step's tokens in ``num_computed_tokens``.
         """
-        if self._checksums is None:
+        if self._checksums is None or not (
+            self._producers or self._loads_started or self._loads.verdicts
+        ):
             return None, {}
-        assert self._kv_cache_manager is not None
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self._producers.get(req_id)
-            if request is not None:
+        return self._build_meta(scheduler_output)
+
+    @_timed
+    def _build_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
+        assert self._checksums is not None and self._kv_cache_manager is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, request in self._producers.items():
+            if num_tokens := scheduled.get(req_id):
                 self._checksums.add_send(
                     RequestAt(request, request.num_computed_tokens + num_tokens),
                     num_tokens,
                     self._kv_cache_manager,
                 )
+        self._loads_started = False
         verdicts, self._loads.verdicts = self._loads.verdicts, {}
         return self._checksums.build_checksum_meta(), verdicts
 
-    @_timed
     def on_request_finished(
         self, request: Request, kv_transfer_params: dict[str, Any] | None
     ) -> None:
         """After the inner connector's ``request_finished*``: the request's
         checksums go into ``kv_transfer_params`` once the step's results are
         in (:meth:`on_step_output`)."""
+        if self._checksums is None:
+            return
         self._producers.pop(request.request_id, None)
         self._num_local_tokens.pop(request.request_id, None)
-        if self._checksums is not None:
-            self._finished.append(_Finished(request, kv_transfer_params))
+        self._finished.append(_Finished(request, kv_transfer_params))
 
-    @_timed
+    def verify_finished_loads(self, output: KVConnectorOutput) -> None:
+        """Same-step verdicts (KVGuard's scheduler class, before vLLM reads
+        the step's failed loads): verify the loads in ``finished_recving``
+        and add each one that fails to ``failed_recving``, in place."""
+        if self._checksums is None:
+            return
+        self._verified = output
+        meta = output.kv_connector_worker_meta
+        if meta is not None or output.finished_recving or output.failed_recving:
+            assert meta is None or isinstance(meta, KVGuardWorkerMetadata)
+            self._take_output(output, meta)
+
     def on_step_output(
         self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
     ) -> None:
-        """Take the workers' checksums, verify the loads every worker has
-        checksummed, and send the checksums of the requests that finished."""
+        """Take the workers' checksums and verify the finished loads, unless
+        :meth:`verify_finished_loads` did; send the checksums of the requests
+        that finished."""
         if self._checksums is None:
             return
-        if meta is None and not output.failed_recving:
-            # Most steps: nothing checksummed, nothing failed.
-            self._flush()
-            return
+        if output is self._verified:
+            self._verified = None
+        elif meta is not None or output.failed_recving:
+            self._take_output(output, meta)
+        self.flush_finished()
+
+    @_timed
+    def _take_output(
+        self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
+    ) -> None:
+        assert self._checksums is not None
         records: list[KVChecksumRecord] = []
         complete: set[str] = set()
         for report in meta.reports if meta is not None else ():
             if report.record is not None:
                 records.append(report.record)
+            if self._same_step:
+                continue
             for req_id in report.finished_loads:
                 self._loads.reported[req_id] += 1
                 if self._loads.reported[req_id] >= self._num_workers:
@@ -227,47 +305,56 @@ class KVGuardScheduler:
                     complete.add(req_id)
         # vLLM already failed these: nothing to verify, the state is dropped.
         failed_by_inner = set(output.failed_recving or ())
+        if self._same_step:
+            complete = set(output.finished_recving or ()) - failed_by_inner
         self._checksums.update_from_output(
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
+        self._outcomes = True
         failed = self._checksums.take_load_failures()
-        if self._checksums.fail_closed:
+        if self._same_step:
+            # Still in finished_recving: vLLM releases the request from its
+            # wait and applies kv_load_failure_policy.
+            output.failed_recving.update(failed)
+        elif self._checksums.fail_closed:
             # The workers hold these loads until they hear.
             for req_id in complete:
                 self._loads.verdicts[req_id] = req_id in failed
         for req_id, message in sorted(failed.items()):
             self._failed_loads[req_id] = message
             logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
-        self._flush()
 
-    @_timed
     def flush_finished(self) -> None:
         """Send the checksums of the requests finished since the last call."""
-        self._flush()
+        if self._finished:
+            self._flush()
 
+    @_timed
     def _flush(self) -> None:
-        if self._checksums is None or not self._finished:
-            return
+        assert self._checksums is not None
         finished, self._finished = self._finished, []
         for item in finished:
             self._checksums.request_finished(item.request, item.kv_transfer_params)
+        # For connectors that send checksums in their own messages; NIXL's
+        # go in kv_transfer_params, filled above.
+        self._checksums.take_kv_checksums_to_send()
+        self._outcomes = True
 
     def take_stats(self) -> dict[str, Any] | None:
         """Outcome counts since the last call, or None if none changed."""
-        if self._checksums is None:
+        if self._checksums is None or not self._outcomes:
             return None
-        now, before = self._checksums.stats, self._reported
-        if (
-            (now.verified, now.mismatch, now.sent)
-            == (before.verified, before.mismatch, before.sent)
-            and now.unverified == before.unverified
-            and now.not_sent == before.not_sent
-        ):
-            # Nothing happened (most steps): the time waits for an outcome.
+        start = time.perf_counter()
+        self._outcomes = False
+        now = self._checksums.stats
+        if self._reported.same_as(now):
+            # Nothing counted: the time waits for an outcome.
+            self._seconds += time.perf_counter() - start
             return None
-        counts = checksum_deltas(now, before)
+        counts = checksum_deltas(now, self._reported)
+        self._reported = Snapshot.of(now)
         counts["failed_loads"] = len(self._failed_loads)
         counts["failed_requests"], self._failed_loads = self._failed_loads, {}
+        self._seconds += time.perf_counter() - start
         counts["scheduler_seconds"], self._seconds = self._seconds, 0.0
-        self._reported = snapshot(now)
         return counts

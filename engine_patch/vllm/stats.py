@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -43,26 +45,55 @@ def _empty_counts() -> dict[str, Any]:
     return counts
 
 
-def checksum_deltas(now: KVChecksumStats, before: KVChecksumStats) -> dict[str, Any]:
-    """The scheduler's outcomes between two snapshots, as stats counts."""
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler's outcome counts at some point, to take deltas against."""
+
+    verified: int = 0
+    mismatch: int = 0
+    sent: int = 0
+    unverified: dict[str, int] = field(default_factory=dict)
+    not_sent: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, stats: KVChecksumStats) -> Snapshot:
+        return cls(
+            stats.verified,
+            stats.mismatch,
+            stats.sent,
+            dict(stats.unverified),
+            dict(stats.not_sent),
+        )
+
+    def same_as(self, stats: KVChecksumStats) -> bool:
+        """Whether ``stats`` counts what this snapshot does."""
+        return (
+            (self.verified, self.mismatch, self.sent)
+            == (stats.verified, stats.mismatch, stats.sent)
+            and self.unverified == stats.unverified
+            and self.not_sent == stats.not_sent
+        )
+
+
+def _by_reason_delta(now: Mapping[str, int], before: dict[str, int]) -> dict[str, int]:
+    if now == before:
+        return {}
+    return {
+        reason: count - before.get(reason, 0)
+        for reason, count in now.items()
+        if count != before.get(reason, 0)
+    }
+
+
+def checksum_deltas(now: KVChecksumStats, before: Snapshot) -> dict[str, Any]:
+    """The scheduler's outcomes since a snapshot, as stats counts."""
     counts = _empty_counts()
     counts["verified"] = now.verified - before.verified
     counts["mismatch"] = now.mismatch - before.mismatch
     counts["sent"] = now.sent - before.sent
-    counts["unverified"] = dict(now.unverified - before.unverified)
-    counts["not_sent"] = dict(now.not_sent - before.not_sent)
+    counts["unverified"] = _by_reason_delta(now.unverified, before.unverified)
+    counts["not_sent"] = _by_reason_delta(now.not_sent, before.not_sent)
     return counts
-
-
-def snapshot(stats: KVChecksumStats) -> KVChecksumStats:
-    """A copy of ``stats`` to take deltas against later."""
-    return KVChecksumStats(
-        verified=stats.verified,
-        mismatch=stats.mismatch,
-        unverified=Counter(stats.unverified),
-        sent=stats.sent,
-        not_sent=Counter(stats.not_sent),
-    )
 
 
 def _inner_class(connector: str, module_path: str | None) -> type[Any]:
@@ -82,7 +113,8 @@ class KVGuardConnectorStats(KVConnectorStats):
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=data if data is not None else {})
-        self.data.setdefault("kv_checksums", _empty_counts())
+        if "kv_checksums" not in self.data:
+            self.data["kv_checksums"] = _empty_counts()
 
     @classmethod
     def build(cls, data: dict[str, Any] | None) -> KVGuardConnectorStats:

@@ -1,14 +1,15 @@
 """KVGuard in a vLLM worker: checksums the KV tensors vLLM registers with
-engine_patch's :class:`~engine_patch.worker.KVChecksumWorker` and, under
-fail-closed, holds each finished load back from vLLM until the scheduler's
-verdict on it.
+engine_patch's :class:`~engine_patch.worker.KVChecksumWorker` and, when the
+scheduler says so (fail-closed without KVGuard's scheduler class), holds
+each finished load back from vLLM until the scheduler's verdict on it.
 
 Per step vLLM calls, in order: ``bind_connector_metadata`` (the scheduler's
-checksums and verdicts), the forward, ``start_load_kv``, ``wait_for_save``
-(a producer's prompt KV is final: checksummed), ``get_transfer_results``
-(finished loads are checksummed before any later step can write their
-blocks, and held; held loads with a verdict are released, failed ones as
-failed loads), ``build_connector_worker_meta`` (the step's checksums).
+checksums, verdicts and whether to hold loads), the forward,
+``start_load_kv``, ``wait_for_save`` (a producer's prompt KV is final:
+checksummed), ``get_transfer_results`` (finished loads are checksummed
+before any later step can write their blocks, and go to vLLM at once or are
+held; held loads with a verdict are released, failed ones as failed loads),
+``build_connector_worker_meta`` (the step's checksums).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class KVGuardWorker:
         self._settings = settings
         config = settings.checksum_config(vllm_config)
         self._enabled = config.enabled
-        self._fail_closed = config.fail_closed
+        # Whether finished loads wait for verdicts: the scheduler's choice,
+        # in each step's metadata (None before the first).
+        self._hold: bool | None = None
         self._covered = convert_kv_cache_config(
             kv_cache_config, fail_closed=config.fail_closed
         ).transfer_group_ids
@@ -92,6 +95,8 @@ class KVGuardWorker:
         self._held: dict[str, float] = {}
         self._verdicts: dict[str, bool] = {}
         self._finished_loads: list[str] = []
+        # Whether this step checksums anything (sends or loads).
+        self._busy = False
         self._bytes = 0
         self._seconds = 0.0
         self._hold_seconds = 0.0
@@ -138,22 +143,43 @@ class KVGuardWorker:
         )
 
     def begin_step(
-        self, scheduled: KVChecksumScheduled | None, verdicts: Mapping[str, bool]
+        self,
+        scheduled: KVChecksumScheduled | None,
+        verdicts: Mapping[str, bool],
+        *,
+        hold_loads: bool,
     ) -> None:
-        """Take the scheduler's checksums and verdicts for this step."""
-        self._verdicts.update(verdicts)
+        """Take the scheduler's checksums and verdicts for this step, and
+        whether finished loads wait for their verdicts."""
+        if hold_loads != self._hold:
+            self._hold = hold_loads
+            logger.info(
+                "KVGuard worker: finished KV loads %s.",
+                "wait for the scheduler's verdict (one engine step)"
+                if hold_loads
+                else "go to vLLM in the step they finish",
+            )
+        if verdicts:
+            self._verdicts.update(verdicts)
         if self._checksums is None:
             return
+        self._busy = False
         if scheduled is not None:
             self._loads.update(scheduled.reqs_to_recv)
             self._loads.update(scheduled.reqs_to_load)
-            self._count_bytes(scheduled.reqs_to_send.values())
+            if scheduled.reqs_to_send:
+                self._busy = True
+                self._count_bytes(scheduled.reqs_to_send.values())
         self._checksums.begin_step(scheduled)
 
     def after_forward(self) -> None:
         """The step's prompts are final: checksum the sends."""
-        if self._checksums is not None:
+        if self._checksums is None:
+            return
+        if self._busy:
             self._timed(self._checksums.after_forward)
+        else:
+            self._checksums.after_forward()
 
     def on_transfer_results(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
@@ -161,7 +187,7 @@ class KVGuardWorker:
         """Checksum the loads the inner connector finished and, fail-closed,
         hold them; release those with verdicts (a failed verdict as a failed
         load). Edits ``results`` in place."""
-        if self._checksums is not None:
+        if self._checksums is not None and self._loads:
             done = [
                 req_id
                 for req_id in results.finished_recving - results.failed_recving
@@ -175,16 +201,21 @@ class KVGuardWorker:
                 self.before_checksum(loads)
                 self._count_bytes(loads.values())
                 checksums = self._checksums
+                self._busy = True
                 self._timed(lambda: checksums.on_loads_finished(done))
                 self._finished_loads.extend(done)
-                if self._fail_closed:
-                    # Fail-open needs no verdict: the load was checksummed
-                    # before any later step can write its blocks, and goes on
-                    # whatever the comparison finds.
+                if self._hold:
+                    # Without a hold the load was checksummed before any
+                    # later step can write its blocks, and the scheduler
+                    # verifies it in the step that reports it (or, fail-open,
+                    # it goes on whatever the comparison finds).
                     results.finished_recving.difference_update(done)
                     now = time.perf_counter()
                     self._held.update(dict.fromkeys(done, now))
+        if self._checksums is not None and finished_req_ids:
             self._checksums.request_finished(finished_req_ids)
+        if not self._held:
+            return
         for req_id in [r for r in self._held if r in self._verdicts]:
             self._hold_seconds += time.perf_counter() - self._held.pop(req_id)
             self._num_held += 1
@@ -199,15 +230,21 @@ class KVGuardWorker:
         """The step's checksums and checksummed loads, if any."""
         if self._checksums is None:
             return None
-        record = self._timed(self._checksums.take_record)
+        if self._busy:
+            record = self._timed(self._checksums.take_record)
+        else:
+            record = self._checksums.take_record()
         finished, self._finished_loads = self._finished_loads, []
         if record is None and not finished:
             return None
         return WorkerReport(record, finished)
 
-    def take_stats(self) -> dict[str, int | float]:
+    def take_stats(self) -> dict[str, int | float] | None:
         """Since the last call: bytes checksummed and the seconds it took, and
-        loads released with their verdicts and the seconds they were held."""
+        loads released with their verdicts and the seconds they were held;
+        None if nothing was."""
+        if not (self._bytes or self._seconds or self._num_held):
+            return None
         taken = {
             "checksum_bytes": self._bytes,
             "checksum_seconds": self._seconds,

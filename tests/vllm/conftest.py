@@ -1,5 +1,5 @@
-"""Fixtures of the real-vLLM tests (``make test-vllm``): one producer and one
-consumer vLLM instance kept up across the tests, and the KVGuard proxy.
+"""Fixtures of the real-vLLM tests (``make test-vllm``): vLLM instances kept
+up across the tests, and KVGuard proxies.
 
 Collected only where vLLM is installed; the default suite deselects them
 (marker ``vllm``) anyway.
@@ -17,7 +17,7 @@ if importlib.util.find_spec("vllm") is None:
 else:
     import aiohttp
     import pytest_asyncio
-    from vllm_servers import Pair, ensure_model
+    from vllm_servers import Servers, ensure_model
 
     @pytest_asyncio.fixture(scope="session", loop_scope="session")
     async def http() -> AsyncIterator[aiohttp.ClientSession]:
@@ -27,13 +27,13 @@ else:
             yield session
 
     @pytest_asyncio.fixture(scope="session", loop_scope="session")
-    async def pair(http: aiohttp.ClientSession) -> AsyncIterator[Pair]:
+    async def servers(http: aiohttp.ClientSession) -> AsyncIterator[Servers]:
         ensure_model()
-        servers = Pair.create(http)
+        running = Servers(http)
         try:
-            yield servers
+            yield running
         finally:
-            servers.stop()
+            running.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,21 +1,35 @@
-"""KVGuard in real vLLM 0.32 (CPU): two instances doing P/D over
+"""KVGuard in real vLLM 0.32 (CPU): vLLM instances doing P/D over
 NixlConnector, the KVGuard proxy in front, clean and corrupted loads.
 
-The tests share one producer and one consumer instance and restart only the
-one whose configuration changes, so they run in this file's order.
+Every stage runs in both of KVGuard's modes (``mode``): with its scheduler
+class (``--scheduler-cls``, same-step verdicts) and with the connector only
+(a fail-closed load waits one engine step for its verdict). One producer
+serves two consumers, one per mode, each behind its own proxy; the tests
+restart only the instances whose configuration a stage changes, so they run
+in this file's order.
+
+What the tests assert is what KVGuard promises: every answer equals a
+single instance's, every corrupted load is caught (as many mismatches as
+the fault injector corrupted loads), and a caught load is retried or
+recomputed. A loaded machine can make the proxy retry for other reasons
+(a timeout, a reset connection): such retries are allowed, and counted
+apart from the integrity retries the tests expect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 from vllm_servers import (
     EngineSpec,
-    Pair,
+    Servers,
+    busy_threads,
     complete,
     deltas,
     error_message,
@@ -33,25 +47,59 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
+# KVGuard's two modes: with its scheduler class, and the connector only.
+MODES = {"scheduler-class": True, "connector-only": False}
+
 KVGUARD_PRODUCER = EngineSpec("producer")
 KVGUARD_CONSUMER = EngineSpec("consumer")  # fail-closed, policy "fail"
 PLAIN_PRODUCER = EngineSpec("producer", connector="nixl")
 
-PROMPTS = prompts(20)
+PROMPTS = prompts(12)
+# Requests per corrupted-load stage.
+FEW = 4
 MAX_TOKENS = 12
 NO_CHECKSUMS = "the producer sent no checksums"
+FLIPPED = "Fault injection: flipped a bit"
+INTEGRITY_RETRIES = "kvguard_proxy_retries_total{reason=kv_integrity}"
 
 # The single-instance answers, by prompt: computed once, locally on the
 # producer (a plain request prefills and decodes on one instance).
 _references: dict[str, str] = {}
 
 
-async def references(http: aiohttp.ClientSession, pair: Pair) -> dict[str, str]:
+@pytest.fixture(params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def use(servers: Servers, producer: EngineSpec, consumer: EngineSpec) -> None:
+    """The producer, a consumer per mode, and fresh proxies."""
+    await servers.use(
+        {
+            "producer": producer,
+            **{
+                f"consumer-{mode}": replace(consumer, scheduler_class=flag)
+                for mode, flag in MODES.items()
+            },
+        },
+        {f"proxy-{mode}": ("producer", f"consumer-{mode}") for mode in MODES},
+    )
+
+
+def consumer_url(servers: Servers, mode: str) -> str:
+    return servers.engine(f"consumer-{mode}").url
+
+
+def proxy_url(servers: Servers, mode: str) -> str:
+    return servers.proxy(f"proxy-{mode}").url
+
+
+async def references(http: aiohttp.ClientSession, servers: Servers) -> dict[str, str]:
     if not _references:
         texts = {}
         for prompt in PROMPTS:
             status, answer = await complete(
-                http, pair.producer.url, prompt, max_tokens=MAX_TOKENS
+                http, servers.engine("producer").url, prompt, max_tokens=MAX_TOKENS
             )
             assert status == 200, answer
             texts[prompt] = text_of(answer)
@@ -62,12 +110,12 @@ async def references(http: aiohttp.ClientSession, pair: Pair) -> dict[str, str]:
 
 
 async def prefill(
-    http: aiohttp.ClientSession, pair: Pair, prompt: str, request_id: str
+    http: aiohttp.ClientSession, servers: Servers, prompt: str, request_id: str
 ) -> dict[str, Any]:
     """A prefill as the proxy sends it; its kv_transfer_params."""
     status, answer = await complete(
         http,
-        pair.producer.url,
+        servers.engine("producer").url,
         prompt,
         max_tokens=1,
         request_id=request_id,
@@ -87,64 +135,114 @@ async def prefill(
 
 
 async def through_proxy(
-    http: aiohttp.ClientSession, pair: Pair, prompt: str, request_id: str
+    http: aiohttp.ClientSession, servers: Servers, mode: str, prompt: str, rid: str
 ) -> tuple[int, Any]:
     return await complete(
-        http, pair.proxy.url, prompt, max_tokens=MAX_TOKENS, request_id=request_id
+        http, proxy_url(servers, mode), prompt, max_tokens=MAX_TOKENS, request_id=rid
     )
 
 
-async def snapshot(http: aiohttp.ClientSession, pair: Pair) -> dict[str, Any]:
-    return {
-        "producer": await metrics(http, pair.producer.url),
-        "consumer": await metrics(http, pair.consumer.url),
-        "proxy": await metrics(http, pair.proxy.url),
-    }
+class Changes:
+    """Metric deltas of the producer, a mode's consumer and proxy, and what
+    the consumer's fault injector logged, over a ``with`` block."""
+
+    def __init__(
+        self, http: aiohttp.ClientSession, servers: Servers, mode: str
+    ) -> None:
+        self._http = http
+        self._servers = {
+            "producer": servers.engine("producer"),
+            "consumer": servers.engine(f"consumer-{mode}"),
+            "proxy": servers.proxy(f"proxy-{mode}"),
+        }
+        self._before: dict[str, dict[str, float]] = {}
+        self._flipped = 0
+        self.producer: dict[str, float] = {}
+        self.consumer: dict[str, float] = {}
+        self.proxy: dict[str, float] = {}
+        # Loads the fault injector corrupted.
+        self.corrupted = 0
+
+    async def __aenter__(self) -> Changes:
+        for name, server in self._servers.items():
+            self._before[name] = await metrics(self._http, server.url)
+        self._flipped = self._servers["consumer"].log_count(FLIPPED)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for name, server in self._servers.items():
+            after = await metrics(self._http, server.url)
+            setattr(self, name, deltas(after, self._before[name]))
+        self.corrupted = self._servers["consumer"].log_count(FLIPPED) - self._flipped
+
+    def consumer_count(self, name: str) -> float:
+        return self.consumer.get(f"kvguard_kv_{name}_total", 0.0)
+
+    @property
+    def retries(self) -> float:
+        """The proxy's retries, whatever their reason."""
+        return self.proxy.get("kvguard_proxy_retries_total", 0.0)
+
+    @property
+    def integrity_retries(self) -> float:
+        return self.proxy.get(INTEGRITY_RETRIES, 0.0)
 
 
-async def changes(
-    http: aiohttp.ClientSession, pair: Pair, before: dict[str, Any]
-) -> dict[str, dict[str, float]]:
-    after = await snapshot(http, pair)
-    return {name: deltas(after[name], before[name]) for name in after}
-
-
-def unverified(samples: dict[str, float]) -> float:
-    return samples.get("kvguard_kv_checksum_unverified_total", 0.0)
+def assert_holds(change: Changes, mode: str) -> None:
+    """Loads wait for their verdicts connector-only, never with the class."""
+    held = change.consumer_count("loads_held")
+    if MODES[mode]:
+        assert held == 0
+    else:
+        assert held == change.consumer_count(
+            "checksum_verified"
+        ) + change.consumer_count("checksum_mismatch")
 
 
 async def test_loads_from_a_producer_without_kvguard_are_unverified_and_fail(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
-    await pair.use(PLAIN_PRODUCER, KVGUARD_CONSUMER)
-    before = await snapshot(http, pair)
-    for i, prompt in enumerate(PROMPTS[:3]):
-        params = await prefill(http, pair, prompt, f"plain-{i}")
-        assert "kv_checksums" not in params
-        status, answer = await complete(
-            http,
-            pair.consumer.url,
-            prompt,
-            max_tokens=MAX_TOKENS,
-            request_id=f"plain-{i}",
-            kv_transfer_params=params,
-        )
-        assert status == 500, answer
-        message = error_message(answer)
-        assert "KV checksum mismatch" in message
-        assert f"could not be verified: {NO_CHECKSUMS}" in message
-    consumer = (await changes(http, pair, before))["consumer"]
+    await use(servers, PLAIN_PRODUCER, KVGUARD_CONSUMER)
+    async with Changes(http, servers, mode) as change:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            params = await prefill(http, servers, prompt, f"plain-{mode}-{i}")
+            assert "kv_checksums" not in params
+            status, answer = await complete(
+                http,
+                consumer_url(servers, mode),
+                prompt,
+                max_tokens=MAX_TOKENS,
+                request_id=f"plain-{mode}-{i}",
+                kv_transfer_params=params,
+            )
+            assert status == 500, answer
+            message = error_message(answer)
+            assert "KV checksum mismatch" in message
+            assert f"could not be verified: {NO_CHECKSUMS}" in message
     reason = f"kvguard_kv_checksum_unverified_total{{reason={NO_CHECKSUMS}}}"
-    assert consumer.get(reason) == 3
-    assert consumer.get("kvguard_kv_load_failures_total") == 3
-    assert consumer.get("kvguard_kv_checksum_verified_total", 0) == 0
+    assert change.consumer.get(reason) == 3
+    assert change.consumer_count("load_failures") == 3
+    assert change.consumer_count("checksum_verified") == 0
+
+
+async def test_no_thread_of_an_idle_instance_keeps_a_core_at_normal_priority(
+    servers: Servers,
+) -> None:
+    # NIXL's progress thread polls without pause; left at nice 0, two of them
+    # starve the engines of a 2-core machine (requests stalled ~30 s).
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    for server in servers.engines.values():
+        assert server.process is not None
+        busy = await asyncio.to_thread(busy_threads, server.process.pid)
+        for tid in busy:
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 19, (server.name, tid)
 
 
 async def test_prefill_returns_kv_checksums_in_kv_transfer_params(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers
 ) -> None:
-    await pair.use(KVGUARD_PRODUCER, KVGUARD_CONSUMER)
-    params = await prefill(http, pair, PROMPTS[0], "params-0")
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    params = await prefill(http, servers, PROMPTS[0], "params-0")
     payload = KVChecksumPayload.from_bytes(base64.b64decode(params["kv_checksums"]))
     assert payload.tp_size == 1
     assert payload.num_tokens == params["remote_num_tokens"]
@@ -156,101 +254,117 @@ async def test_prefill_returns_kv_checksums_in_kv_transfer_params(
 
 
 async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
-    await pair.use(KVGUARD_PRODUCER, KVGUARD_CONSUMER)
-    expected = await references(http, pair)
-    before = await snapshot(http, pair)
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    expected = await references(http, servers)
     limit = asyncio.Semaphore(4)
 
     async def one(i: int, prompt: str) -> None:
         async with limit:
-            status, answer = await through_proxy(http, pair, prompt, f"clean-{i}")
+            status, answer = await through_proxy(
+                http, servers, mode, prompt, f"clean-{mode}-{i}"
+            )
         assert status == 200, answer
         assert text_of(answer) == expected[prompt], prompt
 
-    await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
-    change = await changes(http, pair, before)
-    consumer, producer, proxy = change["consumer"], change["producer"], change["proxy"]
-    assert consumer.get("kvguard_kv_checksum_verified_total") == len(PROMPTS)
-    # Each load waited for its verification before vLLM saw it finish.
-    assert consumer.get("kvguard_kv_loads_held_total") == len(PROMPTS)
-    assert consumer.get("kvguard_kv_checksum_mismatch_total", 0) == 0
-    assert unverified(consumer) == 0
-    assert consumer.get("kvguard_kv_load_failures_total", 0) == 0
-    assert consumer.get("kvguard_kv_checksum_bytes_total", 0) > 0
-    assert producer.get("kvguard_kv_checksum_sent_total") == len(PROMPTS)
-    assert proxy.get("kvguard_proxy_retries_total", 0) == 0
+    async with Changes(http, servers, mode) as change:
+        await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
+    verified = change.consumer_count("checksum_verified")
+    # One verified load per request (and per retry that reached a load).
+    assert len(PROMPTS) <= verified <= len(PROMPTS) + change.retries
+    assert change.consumer_count("checksum_mismatch") == 0
+    assert change.consumer.get("kvguard_kv_checksum_unverified_total", 0) == 0
+    assert change.consumer_count("load_failures") == 0
+    assert change.consumer_count("checksum_bytes") > 0
+    assert change.producer.get("kvguard_kv_checksum_sent_total", 0) >= len(PROMPTS)
+    assert change.integrity_retries == 0
+    assert_holds(change, mode)
 
 
 async def test_corrupted_loads_fail_open_are_counted_and_answered(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
     consumer_spec = EngineSpec(
         "consumer", "faults", fail_closed=False, faults=(("loads", "all"),)
     )
-    await pair.use(KVGUARD_PRODUCER, consumer_spec)
-    before = await snapshot(http, pair)
-    for i, prompt in enumerate(PROMPTS[:6]):
-        status, answer = await through_proxy(http, pair, prompt, f"open-{i}")
-        assert status == 200, answer
-        assert text_of(answer)
-    change = await changes(http, pair, before)
-    consumer, proxy = change["consumer"], change["proxy"]
-    assert consumer.get("kvguard_kv_checksum_mismatch_total") == 6
-    assert consumer.get("kvguard_kv_checksum_verified_total", 0) == 0
-    assert consumer.get("kvguard_kv_load_failures_total", 0) == 0
-    # Fail-open does not hold loads for their verdicts.
-    assert consumer.get("kvguard_kv_loads_held_total", 0) == 0
-    assert proxy.get("kvguard_proxy_retries_total", 0) == 0
+    await use(servers, KVGUARD_PRODUCER, consumer_spec)
+    async with Changes(http, servers, mode) as change:
+        for i, prompt in enumerate(PROMPTS[:FEW]):
+            status, answer = await through_proxy(
+                http, servers, mode, prompt, f"open-{mode}-{i}"
+            )
+            assert status == 200, answer
+            assert text_of(answer)
+    assert change.corrupted >= FEW
+    assert change.consumer_count("checksum_mismatch") == change.corrupted
+    assert change.consumer_count("checksum_verified") == 0
+    assert change.consumer_count("load_failures") == 0
+    # Fail-open holds no load for its verdict, in either mode.
+    assert change.consumer_count("loads_held") == 0
+    assert change.integrity_retries == 0
 
 
 async def test_corrupted_load_is_retried_on_another_prefill_and_answers_clean_text(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
     # Every other load corrupted: each request's first attempt fails, its
     # retry (a new prefill and load) is clean.
     consumer_spec = EngineSpec(
         "consumer", "faults", policy="fail", faults=(("loads", "every_other"),)
     )
-    await pair.use(KVGUARD_PRODUCER, consumer_spec)
-    expected = await references(http, pair)
-    before = await snapshot(http, pair)
-    for i, prompt in enumerate(PROMPTS[:6]):
-        status, answer = await through_proxy(http, pair, prompt, f"retry-{i}")
-        assert status == 200, answer
-        assert text_of(answer) == expected[prompt]
-    # Streamed, the retry happens before the client's first byte too.
-    prompt = PROMPTS[6]
-    text = await stream_text(
-        http, pair.proxy.url, prompt, max_tokens=MAX_TOKENS, request_id="retry-stream"
+    await use(servers, KVGUARD_PRODUCER, consumer_spec)
+    expected = await references(http, servers)
+    async with Changes(http, servers, mode) as change:
+        for i, prompt in enumerate(PROMPTS[:FEW]):
+            status, answer = await through_proxy(
+                http, servers, mode, prompt, f"retry-{mode}-{i}"
+            )
+            assert status == 200, answer
+            assert text_of(answer) == expected[prompt]
+        # Streamed, the retry happens before the client's first byte too.
+        prompt = PROMPTS[FEW]
+        text = await stream_text(
+            http,
+            proxy_url(servers, mode),
+            prompt,
+            max_tokens=MAX_TOKENS,
+            request_id=f"retry-{mode}-stream",
+        )
+        assert text == expected[prompt]
+    # Every corrupted load caught, failed and retried.
+    assert change.corrupted >= FEW + 1
+    assert change.consumer_count("checksum_mismatch") == change.corrupted
+    assert change.consumer_count("load_failures") == change.corrupted
+    assert change.consumer.get("kvguard_kv_checksum_unverified_total", 0) == 0
+    assert change.integrity_retries == change.corrupted
+    assert (
+        change.proxy.get("kvguard_proxy_kv_integrity_failures_total")
+        == change.corrupted
     )
-    assert text == expected[prompt]
-    change = await changes(http, pair, before)
-    consumer, proxy = change["consumer"], change["proxy"]
-    assert consumer.get("kvguard_kv_checksum_mismatch_total") == 7
-    assert consumer.get("kvguard_kv_load_failures_total") == 7
-    assert consumer.get("kvguard_kv_checksum_verified_total") == 7
-    assert unverified(consumer) == 0
-    assert proxy.get("kvguard_proxy_retries_total{reason=kv_integrity}") == 7
-    assert proxy.get("kvguard_proxy_kv_integrity_failures_total") == 7
+    verified = change.consumer_count("checksum_verified")
+    assert FEW + 1 <= verified <= FEW + 1 + change.retries
+    assert_holds(change, mode)
 
 
 async def test_corrupted_loads_recompute_locally_and_answer_clean_text(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
     consumer_spec = EngineSpec(
         "consumer", "faults", policy="recompute", faults=(("loads", "all"),)
     )
-    await pair.use(KVGUARD_PRODUCER, consumer_spec)
-    expected = await references(http, pair)
-    before = await snapshot(http, pair)
-    for i, prompt in enumerate(PROMPTS[:6]):
-        status, answer = await through_proxy(http, pair, prompt, f"recompute-{i}")
-        assert status == 200, answer
-        assert text_of(answer) == expected[prompt]
-    change = await changes(http, pair, before)
-    consumer, proxy = change["consumer"], change["proxy"]
-    assert consumer.get("kvguard_kv_checksum_mismatch_total") == 6
-    assert consumer.get("kvguard_kv_load_failures_total") == 6
-    assert proxy.get("kvguard_proxy_retries_total", 0) == 0
+    await use(servers, KVGUARD_PRODUCER, consumer_spec)
+    expected = await references(http, servers)
+    async with Changes(http, servers, mode) as change:
+        for i, prompt in enumerate(PROMPTS[:FEW]):
+            status, answer = await through_proxy(
+                http, servers, mode, prompt, f"recompute-{mode}-{i}"
+            )
+            assert status == 200, answer
+            assert text_of(answer) == expected[prompt]
+    assert change.corrupted >= FEW
+    assert change.consumer_count("checksum_mismatch") == change.corrupted
+    assert change.consumer_count("load_failures") == change.corrupted
+    # The consumer recomputes: nothing for the proxy to retry.
+    assert change.integrity_retries == 0
+    assert_holds(change, mode)

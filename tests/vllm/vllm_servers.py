@@ -1,9 +1,10 @@
-"""Real vLLM servers (CPU, tiny local model) and the KVGuard proxy for the
+"""Real vLLM servers (CPU, tiny local model) and KVGuard proxies for the
 tests: started under ``timeout``, in their own session, stopped by PID.
 
-At most two vLLM instances run at once (the machines have two cores): a
-:class:`Pair` keeps one producer and one consumer up and restarts only the
-one whose configuration a test changes.
+:class:`Servers` keeps named vLLM instances up across tests and restarts
+only those whose configuration a test changes (the machines have two cores:
+the tests keep one producer and two consumers, only one of which works at a
+time).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,10 +40,13 @@ SERVER_LIFETIME_S = 1500
 # How long the proxy may take to answer /health after its start.
 PROXY_STARTUP_S = 120
 REQUEST_TIMEOUT_S = 120.0
+# Whether to lower NIXL's busy-polling threads (see nice_busy_pollers).
+NICE_BUSY_POLLERS = os.environ.get("KVGUARD_VLLM_NICE_POLLERS", "1") != "0"
 BLOCK_SIZE = 32
 # 256 MiB of KV cache: thousands of the tiny model's 16 KiB blocks.
 KV_CACHE_BYTES = 256 << 20
 MIDDLEWARE = "engine_patch.vllm.errors.kv_checksum_errors"
+SCHEDULER_CLS = "engine_patch.vllm.scheduler.KVGuardScheduler"
 
 # (server, seconds from launch to /health) of every start, for the summary.
 STARTUPS: list[tuple[str, float]] = []
@@ -58,11 +63,114 @@ def ensure_model() -> Path:
     return MODEL_DIR
 
 
+# Ports handed out by free_port in this process.
+_PORTS: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections."""
+    try:
+        return int(
+            Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        )
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, and not handed out before here.
+
+    Chosen below the range the kernel takes outgoing connections' local
+    ports from: a server binds its ports (NIXL's side channel) a minute or
+    more after they are chosen, and a port chosen in that range was seen
+    taken by then ("Address already in use").
+
+    Raises:
+        RuntimeError: If no free port is found.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, _ephemeral_low())
+        if port in _PORTS:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of a process group."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _thread_states(pid: int) -> dict[int, str]:
+    """The scheduler state (R, S, ...) of each thread of a process but its
+    main one and those a library named (gloo's, ZMQ's, UCX's "async")."""
+    states = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            if int(task.name) == pid:
+                continue
+            with contextlib.suppress(OSError):
+                stat = (task / "stat").read_text()
+                name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+                if name.startswith("VLLM::Worker"):
+                    states[int(task.name)] = rest.split()[0]
+    return states
+
+
+def busy_threads(pgid: int, seconds: float = 1.0, samples: int = 20) -> list[int]:
+    """The threads of a process group's vLLM workers (their main threads and
+    named library threads aside) that never block: runnable (R) in every one
+    of ``samples`` looks over ``seconds``, however little CPU a loaded
+    machine leaves them."""
+    workers = []
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                workers.append(pid)
+    runnable: dict[int, int] = {}
+    for _ in range(samples):
+        for pid in workers:
+            for tid, state in _thread_states(pid).items():
+                runnable[tid] = runnable.get(tid, 0) + (state == "R")
+        time.sleep(seconds / samples)
+    return sorted(tid for tid, count in runnable.items() if count == samples)
+
+
+def nice_busy_pollers(pgid: int) -> list[str]:
+    """Lower to nice 19 the threads of an idle vLLM instance's workers that
+    keep a core busy: NIXL's UCX progress thread.
+
+    vLLM 0.32's NixlConnector starts NIXL agents with the progress thread on,
+    and NIXL 1.5's Python API gives it no delay between polls: it spins,
+    about 85% of a core per instance, idle or not. Two instances on a 2-core
+    machine leave their engines a fraction of the CPU, and with any other
+    load an engine step, hence a prefill or a proxy start, stalls for
+    seconds up to ~30 s. At nice 19 the thread still polls whenever a core
+    has nothing else to run. (vLLM's CPU guidance reserves a core for NIXL.)
+
+    Returns:
+        What was lowered, for the startup summary.
+    """
+    lowered = []
+    for tid in busy_threads(pgid):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            lowered.append(f"thread {tid}")
+    return lowered
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -84,6 +192,9 @@ class EngineSpec:
 
     ``connector``: ``"nixl"`` (plain vLLM), ``"kvguard"`` or ``"faults"``
     (KVGuard with the fault injector, ``faults`` its settings).
+    ``scheduler_class``: KVGuard's (same-step verdicts), or vLLM's own
+    (connector-only); plain vLLM always runs vLLM's own. ``step_probe``: a
+    subclass of that class counting engine steps (step_probe.py).
     """
 
     role: Literal["producer", "consumer"]
@@ -93,6 +204,16 @@ class EngineSpec:
     compile: bool = False
     policy: Literal["fail", "recompute"] = "fail"
     faults: tuple[tuple[str, Any], ...] = ()
+    scheduler_class: bool = True
+    step_probe: bool = False
+
+    @property
+    def scheduler_cls(self) -> str | None:
+        """The ``--scheduler-cls`` of the instance, if not vLLM's own."""
+        kvguard = self.connector != "nixl" and self.scheduler_class
+        if self.step_probe:
+            return f"step_probe.StepProbe{'KVGuard' if kvguard else ''}Scheduler"
+        return SCHEDULER_CLS if kvguard else None
 
     def kv_transfer_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -161,6 +282,14 @@ class Server:
             process.wait(timeout=30)
         self.pid_path.unlink(missing_ok=True)
 
+    def log_count(self, text: str) -> int:
+        """How many lines of its log (this start's) hold ``text``."""
+        try:
+            with self.log_path.open(errors="replace") as log:
+                return sum(text in line for line in log)
+        except OSError:
+            return 0
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -179,6 +308,8 @@ class VllmServer(Server):
     core: int = 0
     started_s: float = 0.0
     ready_s: float = 0.0
+    # Busy-polling threads lowered to nice 19 (nice_busy_pollers).
+    niced: list[str] = field(default_factory=list)
 
     def start(
         self, spec: EngineSpec, kv_transfer_config: dict[str, Any] | None = None
@@ -202,7 +333,8 @@ class VllmServer(Server):
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
-            "PYTHONPATH": str(REPO),
+            # The step probe's module is beside this one.
+            "PYTHONPATH": os.pathsep.join((str(REPO), str(Path(__file__).parent))),
             "PYTHONUNBUFFERED": "1",
         }
         command = [
@@ -218,6 +350,8 @@ class VllmServer(Server):
         ]  # fmt: skip
         if spec.connector != "nixl":
             command += ["--middleware", MIDDLEWARE]
+        if spec.scheduler_cls is not None:
+            command += ["--scheduler-cls", spec.scheduler_cls]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._launched(
@@ -264,6 +398,8 @@ class VllmServer(Server):
         status, _ = await complete(session, self.url, "warm up", max_tokens=2)
         if status != 200:
             raise RuntimeError(f"{self.name} failed its warm-up:\n{self.log_tail()}")
+        if NICE_BUSY_POLLERS and self.process is not None:
+            self.niced = await asyncio.to_thread(nice_busy_pollers, self.process.pid)
 
 
 @dataclass
@@ -292,8 +428,10 @@ class ProxyServer(Server):
             },
             "health": {"timeout_s": 15, "unhealthy_threshold": 4},
             "timeouts": {"prefill_s": REQUEST_TIMEOUT_S},
+            # Room for a retry that load causes besides those the tests make.
+            "retry": {"max_attempts": 5},
         }
-        config_path = self.log_path.with_name("proxy.yaml")
+        config_path = self.log_path.with_name(f"{self.name}.yaml")
         config_path.write_text(json.dumps(config))  # JSON is YAML.
         command = [
             "timeout", str(SERVER_LIFETIME_S),
@@ -341,43 +479,48 @@ class ProxyServer(Server):
 
 
 @dataclass
-class Pair:
-    """One producer and one consumer vLLM instance, and the proxy in front."""
+class Servers:
+    """Named vLLM instances and KVGuard proxies, kept up across tests."""
 
     session: aiohttp.ClientSession
-    producer: VllmServer
-    consumer: VllmServer
-    proxy: ProxyServer
+    engines: dict[str, VllmServer] = field(default_factory=dict)
+    proxies: dict[str, ProxyServer] = field(default_factory=dict)
 
-    @classmethod
-    def create(cls, session: aiohttp.ClientSession) -> Pair:
-        logs = WORK_DIR / "logs"
+    def engine(self, name: str) -> VllmServer:
+        return self.engines[name]
 
-        def server(name: str, core: int) -> VllmServer:
-            return VllmServer(
-                name,
-                free_port(),
-                logs / f"{name}.log",
-                side_port=free_port(),
-                core=core,
-            )
+    def proxy(self, name: str) -> ProxyServer:
+        return self.proxies[name]
 
-        return cls(
-            session,
-            server("producer", 0),
-            server("consumer", 1),
-            ProxyServer("proxy", free_port(), logs / "proxy.log"),
-        )
+    async def use(
+        self,
+        specs: Mapping[str, EngineSpec],
+        proxies: Mapping[str, tuple[str, str]] | None = None,
+    ) -> None:
+        """Make the named instances run these specs (restarting only what
+        changed, all at once; others are left as they are), and start fresh
+        proxies, each in front of a (prefill, decode) pair of them.
 
-    async def use(self, producer: EngineSpec, consumer: EngineSpec) -> None:
-        """Make the pair run these specs (restarting only what changed), with
-        a fresh proxy in front."""
-        self.proxy.stop()
-        changed = [
-            (server, spec)
-            for server, spec in ((self.producer, producer), (self.consumer, consumer))
-            if server.process is None or server.spec != spec
-        ]
+        Producers use core 0, consumers core 1.
+        """
+        proxies = proxies or {}
+        changed = []
+        for name, spec in specs.items():
+            server = self.engines.get(name)
+            if server is None:
+                logs = WORK_DIR / "logs"
+                server = VllmServer(
+                    name,
+                    0,
+                    logs / f"{name}.log",
+                    core=0 if spec.role == "producer" else 1,
+                )
+                self.engines[name] = server
+            if server.process is None or server.spec != spec:
+                changed.append((server, spec))
+        for name in proxies:
+            if name in self.proxies:
+                self.proxies[name].stop()
         for server, _ in changed:
             server.stop()
         for server, spec in changed:
@@ -386,17 +529,30 @@ class Pair:
             *(server.wait_ready(self.session) for server, _ in changed)
         )
         for server, spec in changed:
-            STARTUPS.append((f"{server.name} ({spec.connector})", server.ready_s))
+            niced = f" [nice 19: {', '.join(server.niced)}]" if server.niced else ""
+            STARTUPS.append(
+                (f"{server.name} ({spec.connector}){niced}", server.ready_s)
+            )
+        for name, (prefill, decode) in proxies.items():
+            await self._start_proxy(name, prefill, decode)
+
+    async def _start_proxy(self, name: str, prefill: str, decode: str) -> None:
+        proxy = self.proxies.get(name)
+        if proxy is None:
+            proxy = ProxyServer(name, 0, WORK_DIR / "logs" / f"{name}.log")
+            self.proxies[name] = proxy
         started = time.monotonic()
-        self.proxy.launch(self.producer.url, self.consumer.url)
-        await self.proxy.wait_ready(self.session)
+        proxy.launch(self.engines[prefill].url, self.engines[decode].url)
+        await proxy.wait_ready(self.session)
         seconds = time.monotonic() - started
         # A slow start names its log and what the last probes saw.
-        slow = f" [{self.proxy.log_path.name}: {self.proxy.probes[-3:]}]"
-        STARTUPS.append((f"proxy{slow if seconds > 10 else ''}", seconds))
+        slow = f" [{proxy.log_path.name}: {proxy.probes[-3:]}]"
+        STARTUPS.append((f"{name}{slow if seconds > 10 else ''}", seconds))
 
     def stop(self) -> None:
-        for server in (self.proxy, self.consumer, self.producer):
+        for proxy in self.proxies.values():
+            proxy.stop()
+        for server in self.engines.values():
             server.stop()
 
 
@@ -484,8 +640,6 @@ def deltas(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str,
 def prompts(count: int, seed: int = 0, words: tuple[int, int] = (20, 150)) -> list[str]:
     """Distinct prompts of ``words`` words (about two tokens each), none a
     prefix of another."""
-    import random
-
     vocabulary = [
         "producer", "consumer", "checksum", "block", "prefill", "decode",
         "cache", "key", "value", "token", "layer", "head", "proxy", "retry",
