@@ -22,9 +22,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from proxy.app import STATE, create_app
+from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.instances import Instance
+from proxy.state import STATE
 
 PROMPTS = [
     "Explain why a prefill instance hands its KV cache to a decode instance.",

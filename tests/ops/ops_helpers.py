@@ -29,8 +29,9 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_app
+from proxy.app import create_app
 from proxy.config import ProxyConfig
+from proxy.state import STATE, ProxyState
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

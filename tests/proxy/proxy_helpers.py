@@ -23,9 +23,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_app
+from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.server import ProxyRunner
+from proxy.state import STATE, ProxyState
 
 MARKER = "KV checksum mismatch"
 
