@@ -53,7 +53,6 @@ if TYPE_CHECKING:
     from proxy.config import ProxyConfig
     from proxy.state import ProxyState
 
-log = logging.getLogger("kvguard.proxy")
 attempt_log = logging.getLogger("kvguard.proxy.attempts")
 
 _MARKER_BYTES = INTEGRITY_MARKER.encode()
