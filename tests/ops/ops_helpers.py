@@ -1,5 +1,5 @@
 """Helpers for the operations tests: real dnsmasq, Prometheus and Chromium
-processes on free local ports, the proxy in process, and a steady client load.
+processes on free local ports and a steady client load.
 
 Each external program is a Debian package that ``.ci/run`` installs; where one
 is missing, ``need()`` skips the test and says which package to install.
@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +24,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
-from proxy.app import create_app
-from proxy.config import ProxyConfig
-from proxy.state import STATE, ProxyState
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -43,22 +37,6 @@ def need(program: str, package: str) -> str:
     if path is None:
         pytest.skip(f"{program} not found: apt-get install {package} (.ci/run does)")
     return path
-
-
-def free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-    for match in pattern.finditer(text):
-        if all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 async def eventually(
@@ -116,7 +94,7 @@ class Dnsmasq:
         return self.port
 
     def _spawn(self) -> None:
-        self.port = free_port(kind=socket.SOCK_DGRAM)
+        self.port = free_port(udp=True)
         args = [
             self.binary,
             "--keep-in-foreground",
@@ -187,34 +165,6 @@ class Dnsmasq:
 
 
 # -------------------------------------------------------------------- proxy
-
-
-@dataclass
-class RunningProxy:
-    url: str
-    app: web.Application
-
-    @property
-    def state(self) -> ProxyState:
-        return self.app[STATE]
-
-
-@asynccontextmanager
-async def running_proxy(
-    config: ProxyConfig | dict[str, Any], host: str = "127.0.0.1"
-) -> AsyncIterator[RunningProxy]:
-    """The proxy's real application on a free port, for the test's duration."""
-    if isinstance(config, dict):
-        config = ProxyConfig.model_validate(config)
-    app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    try:
-        yield RunningProxy(f"http://{host}:{runner.addresses[0][1]}", app)
-    finally:
-        await runner.cleanup()
 
 
 async def get_text(url: str, **kwargs: Any) -> tuple[int, str]:

@@ -8,11 +8,13 @@ import socket
 
 import aiohttp
 import pytest
-from ops_helpers import Dnsmasq, Load, complete, eventually, metric, running_proxy
+from ops_helpers import Dnsmasq, Load, complete, eventually
 
 from proxy.config import ConfigError, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
+from proxy.testing import running_proxy
+from tests.support.metrics import metric
 
 torch = pytest.importorskip("torch")
 

@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from proxy_helpers import expected_text, free_port
+from proxy_helpers import expected_text
 
 from proxy.cli import build_parser, config_from_args
 from proxy.config import ConfigError
+from tests.support.ports import free_port
 
 
 @asynccontextmanager
