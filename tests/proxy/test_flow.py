@@ -382,3 +382,42 @@ async def test_non_stream_first_token_timeout_is_retried(stubs):
             assert time.monotonic() - started < 5
     await asyncio.sleep(0.1)
     assert len(d_hang.aborts) == len(d_hang.requests) >= 1
+
+
+async def test_each_attempt_is_logged_as_one_json_line_and_integrity_failures_kept(
+    stubs, caplog
+):
+    bad, good, d = await stubs("corrupt"), await stubs(), await stubs()
+    config = make_config([bad.url, good.url], [d.url], retry={"backoff_base_s": 0})
+    caplog.set_level("INFO", logger="kvguard.proxy.attempts")
+    async with running_proxy(config) as px:
+        for i in range(2):  # round robin: one of the two starts on the bad prefill
+            resp = await px.post(
+                "/v1/completions", COMPLETION, headers={"X-Request-Id": f"r{i}"}
+            )
+            assert resp.status == 200
+            await resp.read()
+        recent = list(px.state.recent_failures)
+    records = [
+        msgspec.json.decode(r.getMessage())
+        for r in caplog.records
+        if r.name == "kvguard.proxy.attempts"
+    ]
+    failed = [r for r in records if r["outcome"] == "kv_integrity"]
+    assert len(failed) == 1 and len(records) == 3
+    (fail,) = failed
+    retry = next(
+        r for r in records if r["attempt_id"] == fail["attempt_id"] + "-retry1"
+    )
+    assert fail["prefill"] == bad.url and retry["prefill"] == good.url
+    for record in (fail, retry):
+        assert record["decode"] == d.url
+        assert record["request_id"] == fail["request_id"]
+        assert record["route"] == "completions" and record["stream"] is False
+        assert record["kv_params"] is True
+        assert record["prefill_ms"] >= 0 and record["total_ms"] >= record["prefill_ms"]
+    assert (fail["attempt"], retry["attempt"]) == (0, 1)
+    assert INTEGRITY_MARKER in fail["error"] and fail["status"] == 200
+    assert retry["outcome"] == "ok" and "error" not in retry
+    # /status keeps the failed attempt's record.
+    assert [r["attempt_id"] for r in recent] == [fail["attempt_id"]]
