@@ -126,6 +126,7 @@ class Dnsmasq:
 
     async def lookup(self, name: str) -> set[str]:
         import aiodns
+        from pycares import AAAARecordData, ARecordData
 
         resolver = aiodns.DNSResolver(
             nameservers=[f"127.0.0.1:{self.port}"], timeout=0.5, tries=1
@@ -137,7 +138,11 @@ class Dnsmasq:
                     answer = await resolver.query_dns(name, qtype)
                 except aiodns.error.DNSError:
                     continue
-                found |= {str(r.data.addr) for r in answer.answer}
+                found |= {
+                    str(r.data.addr)
+                    for r in answer.answer
+                    if isinstance(r.data, ARecordData | AAAARecordData)
+                }
         finally:
             await resolver.close()
         return found
@@ -289,18 +294,18 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     prev = bytearray(stride)
     for y in range(height):
         start = y * (stride + 1)
-        kind, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        filt, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
         for x in range(stride):
             left = line[x - channels] if x >= channels else 0
             up = prev[x]
             corner = prev[x - channels] if x >= channels else 0
-            if kind == 1:
+            if filt == 1:
                 line[x] = (line[x] + left) & 255
-            elif kind == 2:
+            elif filt == 2:
                 line[x] = (line[x] + up) & 255
-            elif kind == 3:
+            elif filt == 3:
                 line[x] = (line[x] + (left + up) // 2) & 255
-            elif kind == 4:
+            elif filt == 4:
                 p = left + up - corner
                 pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
                 pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner
