@@ -20,11 +20,10 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
-from proxy.app import STATE, create_app
 from proxy.config import ProxyConfig
 from proxy.instances import Instance
+from proxy.testing import running_proxy
 
 PROMPTS = [
     "Explain why a prefill instance hands its KV cache to a decode instance.",
@@ -118,14 +117,9 @@ async def _run(args: argparse.Namespace) -> int:
                 },
             }
         )
-        app = create_app(config)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        proxy = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        state = app[STATE]
-        try:
+        async with running_proxy(config) as running:
+            proxy = running.url
+            state = running.state
             async with aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=120)
             ) as session:
@@ -175,8 +169,6 @@ async def _run(args: argparse.Namespace) -> int:
             )
             if args.keep:
                 await _keep_running(proxy)
-        finally:
-            await runner.cleanup()
     return 0 if ok else 1
 
 

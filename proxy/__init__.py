@@ -3,8 +3,9 @@
 ``create_app(config)`` builds the aiohttp application; ``proxy.cli.main`` runs it.
 """
 
-from proxy.app import ProxyState, create_app
+from proxy.app import create_app
 from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
+from proxy.state import ProxyState
 
 __all__ = [
     "ConfigError",

@@ -27,7 +27,7 @@ from proxy.errors import error_response
 from proxy.instances import Instance, Pool
 
 if TYPE_CHECKING:
-    from proxy.app import ProxyState
+    from proxy.state import ProxyState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from proxy.app import STATE, create_app
+from proxy.app import create_app
 from proxy.config import (
     ANY_MODEL,
     ConfigError,
@@ -31,6 +31,7 @@ from proxy.config import (
     load_config,
 )
 from proxy.server import ProxyRunner
+from proxy.state import STATE
 
 log = logging.getLogger("kvguard.proxy")
 

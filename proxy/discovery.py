@@ -33,7 +33,7 @@ from proxy.config import ConfigError, DiscoveryConfig, InstanceConfig, read_secr
 from proxy.instances import Instance, Pool
 
 if TYPE_CHECKING:
-    from proxy.app import ProxyState
+    from proxy.state import ProxyState
 
 log = logging.getLogger("kvguard.proxy.discovery")
 

@@ -8,6 +8,10 @@ client nothing is retried and a failure ends the stream with an error event.
 A 4xx from either leg goes back to the client unchanged. A request that
 fails alike on two instances (its content, not the instances, is at fault)
 fails at once and counts against neither.
+
+``Flow._attempt`` is one attempt from top to bottom; each leg returns a typed
+result (``Prefilled``, ``FirstData``, ``Answer``, ``Passthrough`` or a
+``Failure``) and records what it saw on the ``Attempt``.
 """
 
 from __future__ import annotations
@@ -41,18 +45,16 @@ from proxy.body import (
 )
 from proxy.errors import error_event, error_response
 from proxy.instances import Instance, ModelPools
+from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
 from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
 from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
-    from proxy.app import ProxyState
     from proxy.config import ProxyConfig
+    from proxy.state import ProxyState
 
-log = logging.getLogger("kvguard.proxy")
 attempt_log = logging.getLogger("kvguard.proxy.attempts")
 
-# What KVGuard's engines (fake and vLLM plugin) put in a failed load's error.
-INTEGRITY_MARKER = "KV checksum mismatch"
 _MARKER_BYTES = INTEGRITY_MARKER.encode()
 
 _encode_json = msgspec.json.Encoder().encode
@@ -62,6 +64,9 @@ _MAX_ERROR_BODY = 64 * 1024
 
 class _TooLarge(Exception):
     pass
+
+
+# ------------------------------------------------------------ leg results
 
 
 @dataclass(slots=True)
@@ -82,6 +87,50 @@ class Failure:
     instance: Instance | None = None  # the instance that answered it
     prefill: Instance | None = None  # a decode's prefill (its KV's source)
     status: int = 502  # what the client gets if the request itself is at fault
+
+
+@dataclass(slots=True, frozen=True)
+class Prefilled:
+    """A prefill that answered 2xx: its raw ``kv_transfer_params``, None if absent."""
+
+    kv_params: bytes | None
+
+
+@dataclass(slots=True, frozen=True)
+class Passthrough:
+    """A backend's 4xx from either leg, relayed to the client unchanged."""
+
+    response: web.Response
+
+
+@dataclass(slots=True, frozen=True)
+class FirstData:
+    """A decode stream whose first event carries data: the KV loaded.
+
+    ``held`` is what was read up to that event; nothing has reached the client.
+    """
+
+    resp: aiohttp.ClientResponse
+    held: bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """The client's answer (sent, for a stream); ``outcome`` is the request's."""
+
+    response: web.StreamResponse
+    outcome: str = "ok"  # ok, or for a stream: client_disconnected, stream_error
+
+
+@dataclass(slots=True, frozen=True)
+class _StreamEnd:
+    """How a relayed stream ended once the client had its first byte."""
+
+    done: bool  # the decode sent [DONE] (held back: an error must precede it)
+    error: str | None  # why the stream is cut short, None when it is whole
+
+
+# ------------------------------------------------------- request, attempt
 
 
 @dataclass(slots=True)
@@ -109,19 +158,94 @@ class _Request:
         return self.deadline - time.monotonic()
 
 
-def _client_headers(request_id: str) -> dict[str, str]:
-    return {"X-Request-Id": request_id}
+@dataclass(slots=True)
+class Attempt:
+    """One try at a request: a prefill on one instance, a decode on another.
+
+    The legs fill in what they saw; ``record`` turns it into the attempt's
+    log line. ``prefill`` is None for the decode-only fallback, whose decode
+    prefills locally. The decode loads KV exactly when ``kv_params`` is set.
+    """
+
+    id: str  # the X-Request-Id both legs get
+    number: int | None  # 0 for the first attempt; None for the decode-only one
+    prefill: Instance | None
+    decode: Instance
+    ts: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    prefilled: bool = False  # the prefill answered 2xx
+    kv_params: bytes | None = None  # the prefill's raw kv_transfer_params
+    prefill_ms: float | None = None
+    status: int | None = None  # the last leg's HTTP status
+    error: str | None = None
+    outcome: str = "cancelled"  # until a leg's result says otherwise
+
+    @property
+    def loads_kv(self) -> bool:
+        """The decode loads the prefill's KV (else it prefills locally)."""
+        return self.kv_params is not None
+
+    def record(self, req: _Request) -> dict[str, Any]:
+        """The attempt's log record (also what /status shows of a failure)."""
+        entry: dict[str, Any] = {
+            "ts": round(self.ts, 3),
+            "request_id": req.request_id,
+            "attempt": self.number,
+            "attempt_id": self.id,
+            "route": req.route.label,
+            "model": req.body.model,
+            "stream": req.body.stream,
+            "prefill": None if self.prefill is None else self.prefill.url,
+            "decode": self.decode.url,
+        }
+        if self.prefill_ms is not None:
+            entry["prefill_ms"] = self.prefill_ms
+        if self.prefilled:
+            entry["kv_params"] = self.kv_params is not None
+        if self.status is not None:
+            entry["status"] = self.status
+        if self.error is not None:
+            entry["error"] = self.error
+        entry["outcome"] = self.outcome
+        entry["total_ms"] = round((time.monotonic() - self.started) * 1000, 2)
+        return entry
 
 
 def _passthrough(
     status: int, body: bytes, content_type: str, request_id: str
-) -> web.Response:
+) -> Passthrough:
     """A backend's 4xx, relayed unchanged."""
-    return web.Response(
-        status=status,
-        body=body,
-        headers={"Content-Type": content_type, "X-Request-Id": request_id},
+    return Passthrough(
+        web.Response(
+            status=status,
+            body=body,
+            headers={"Content-Type": content_type, "X-Request-Id": request_id},
+        )
     )
+
+
+async def _write(
+    out: web.StreamResponse,
+    data: bytes,
+    *,
+    prepare: web.Request | None = None,
+    eof: bool = False,
+) -> bool:
+    """Sends ``data`` to the client (after the headers, with ``prepare``).
+
+    Returns False when the client has gone; ``eof`` ends the body in the
+    same write.
+    """
+    try:
+        if prepare is not None:
+            await out.prepare(prepare)
+        if eof:
+            await out.write_eof(data)
+        elif data:
+            await out.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError):
+        return False
+    return True
 
 
 class Flow:
@@ -301,10 +425,10 @@ class Flow:
         failure: Failure | None = None
         reason = "no attempt was made"
         try:
-            for attempt in range(cfg.retry.max_attempts):
+            for number in range(cfg.retry.max_attempts):
                 if failure is not None:
                     st.metrics.retries.labels(failure.reason).inc()
-                    await asyncio.sleep(self._backoff(attempt, cfg))
+                    await asyncio.sleep(self._backoff(number, cfg))
                 prefill = st.router.pick(
                     pools.prefill,
                     req.key,
@@ -322,11 +446,11 @@ class Flow:
                     reason = "no healthy decode instance"
                     break
                 attempt_id = (
-                    req.request_id
-                    if attempt == 0
-                    else f"{req.request_id}-retry{attempt}"
+                    req.request_id if number == 0 else f"{req.request_id}-retry{number}"
                 )
-                result = await self._attempt(req, attempt, attempt_id, prefill, decode)
+                result = await self._attempt(
+                    req, Attempt(attempt_id, number, prefill, decode)
+                )
                 if not isinstance(result, Failure):
                     return result
                 if result.answered:
@@ -369,66 +493,120 @@ class Flow:
         )
         return random.uniform(ceiling / 2, ceiling)
 
+    async def _decode_only(self, req: _Request) -> web.StreamResponse | Failure:
+        """Retries exhausted: the original body to a decode, which prefills locally."""
+        decode = self.state.router.pick(
+            req.pools.decode, req.key, probing=req.config.health.enabled
+        )
+        if decode is None:
+            return Failure("no_decode", "no healthy decode instance", "decode")
+        attempt = Attempt(f"{req.request_id}-decode-only", None, None, decode)
+        return await self._attempt(req, attempt)
+
+    # ------------------------------------------------------------ one attempt
+
     async def _attempt(
-        self,
-        req: _Request,
-        attempt: int,
-        attempt_id: str,
-        prefill: Instance,
-        decode: Instance,
+        self, req: _Request, attempt: Attempt
     ) -> web.StreamResponse | Failure:
-        """Prefill on ``prefill``, then decode on ``decode``."""
-        entry: dict[str, Any] = {
-            "ts": round(time.time(), 3),
-            "request_id": req.request_id,
-            "attempt": attempt,
-            "attempt_id": attempt_id,
-            "route": req.route.label,
-            "model": req.body.model,
-            "stream": req.body.stream,
-            "prefill": prefill.url,
-            "decode": decode.url,
-        }
-        started = time.monotonic()
-        outcome = "cancelled"
+        """One attempt: prefill, decode to its first data, then answer the client.
+
+        Whenever the decode does not pull the prefill's KV (it failed, a 4xx,
+        the client left), the prefill is asked to free it.
+        """
+        decode = attempt.decode
         try:
-            result = await self._prefill(req, attempt_id, prefill)
-            entry["prefill_ms"] = round((time.monotonic() - started) * 1000, 2)
-            if isinstance(result, Failure):
-                outcome = result.reason
-                entry["error"] = result.message
-                return result
-            if isinstance(result, web.Response):
-                outcome = "prefill_4xx"
-                entry["status"] = result.status
-                self._finish(req, "upstream_4xx")
-                return result
-            kv_params = result
-            entry["kv_params"] = kv_params is not None
-            answer = await self._decode(
-                req, attempt_id, prefill, decode, kv_params, entry
-            )
-            if isinstance(answer, Failure):
-                outcome = answer.reason
-                entry["error"] = answer.message
-            else:
-                outcome = entry.pop("outcome", "ok")
-            return answer
+            if attempt.prefill is not None:
+                prefilled = await self._prefill(req, attempt)
+                attempt.prefill_ms = round(
+                    (time.monotonic() - attempt.started) * 1000, 2
+                )
+                if not isinstance(prefilled, Prefilled):
+                    return self._result(req, attempt, prefilled)
+                attempt.prefilled = True
+                attempt.kv_params = prefilled.kv_params
+            result: Answer | Passthrough | Failure
+            pulled = False
+            decode.in_flight += 1
+            try:
+                remaining = req.remaining()
+                if remaining <= 0:
+                    result = Failure(
+                        "total_timeout", "total timeout exceeded", "decode"
+                    )
+                elif not (req.body.stream or req.assemble):
+                    result = await self._decode_json(req, attempt, remaining)
+                    if isinstance(result, Answer):
+                        self._decoded(attempt)
+                else:
+                    first = await self._decode_first(req, attempt, remaining)
+                    if isinstance(first, FirstData):
+                        self._decoded(attempt)
+                        if req.assemble:
+                            result = await self._collect(req, attempt, first)
+                        else:
+                            result = await self._relay(req, attempt, first)
+                    else:
+                        result = first
+                pulled = isinstance(result, Answer)
+            finally:
+                decode.in_flight -= 1
+                if not pulled and attempt.prefill is not None and attempt.loads_kv:
+                    self._abort(attempt.prefill, attempt.id, attempt.kv_params)
+            return self._result(req, attempt, result)
         finally:
-            if outcome == "kv_integrity":
-                self.state.recent_failures.append(entry)
-            if self.state.config.logging.attempts and attempt_log.isEnabledFor(
-                logging.INFO
+            self._log(attempt, req)
+
+    def _result(
+        self, req: _Request, attempt: Attempt, result: Answer | Passthrough | Failure
+    ) -> web.StreamResponse | Failure:
+        """Notes how a leg ended the attempt; the client's response or a Failure."""
+        if isinstance(result, Failure):
+            attempt.outcome = result.reason
+            attempt.error = result.message
+            return result
+        if isinstance(result, Passthrough):
+            from_prefill = attempt.prefill is not None and not attempt.prefilled
+            attempt.outcome = "prefill_4xx" if from_prefill else "decode_4xx"
+            attempt.status = result.response.status
+            self._finish(req, "upstream_4xx")
+            return result.response
+        # The decode-only fallback's log says so, whatever the stream did.
+        attempt.outcome = "decode_only" if attempt.prefill is None else result.outcome
+        self._finish(req, result.outcome)
+        return result.response
+
+    def _log(self, attempt: Attempt, req: _Request) -> None:
+        """Logs the attempt; keeps a prefill's integrity failure for /status."""
+        keep = attempt.outcome == "kv_integrity" and attempt.prefill is not None
+        logging_on = self.state.config.logging.attempts and attempt_log.isEnabledFor(
+            logging.INFO
+        )
+        if not (keep or logging_on):
+            return
+        entry = attempt.record(req)
+        if keep:
+            self.state.recent_failures.append(entry)
+        if logging_on:
+            attempt_log.info("%s", _encode_json(entry).decode())
+
+    def _decoded(self, attempt: Attempt) -> None:
+        """The decode gave data: it is healthy, and any KV it loaded was clean."""
+        self.state.health.note(attempt.decode, ok=True)
+        if attempt.prefill is not None and attempt.loads_kv:
+            for ejection in self.state.tracker.record_success(
+                attempt.prefill, attempt.decode
             ):
-                entry["outcome"] = outcome
-                entry["total_ms"] = round((time.monotonic() - started) * 1000, 2)
-                attempt_log.info("%s", _encode_json(entry).decode())
+                self.state.on_ejection(ejection)
+
+    # ---------------------------------------------------------------- prefill
 
     async def _prefill(
-        self, req: _Request, attempt_id: str, prefill: Instance
-    ) -> bytes | web.Response | Failure | None:
-        """The prefill leg: raw ``kv_transfer_params`` or None, a 4xx, or a Failure."""
+        self, req: _Request, attempt: Attempt
+    ) -> Prefilled | Passthrough | Failure:
+        """The prefill leg: its ``kv_transfer_params``, a 4xx, or a Failure."""
         st = self.state
+        prefill = attempt.prefill
+        assert prefill is not None
         timeout = st.prefill_timeout
         remaining = req.remaining()
         if remaining < req.config.timeouts.prefill_s:
@@ -437,7 +615,7 @@ class Flow:
             timeout = aiohttp.ClientTimeout(
                 total=remaining, sock_connect=req.config.timeouts.connect_s
             )
-        headers = {**prefill.headers, "X-Request-Id": attempt_id}
+        headers = {**prefill.headers, "X-Request-Id": attempt.id}
         started = time.monotonic()
         prefill.in_flight += 1
         try:
@@ -498,80 +676,25 @@ class Flow:
                 instance=prefill,
             )
         st.health.note(prefill, ok=True)
-        return kv_params
-
-    async def _decode_only(self, req: _Request) -> web.StreamResponse | Failure:
-        """Retries exhausted: the original body to a decode, which prefills locally."""
-        decode = self.state.router.pick(
-            req.pools.decode, req.key, probing=req.config.health.enabled
-        )
-        if decode is None:
-            return Failure("no_decode", "no healthy decode instance", "decode")
-        attempt_id = f"{req.request_id}-decode-only"
-        entry: dict[str, Any] = {
-            "ts": round(time.time(), 3),
-            "request_id": req.request_id,
-            "attempt_id": attempt_id,
-            "route": req.route.label,
-            "prefill": None,
-            "decode": decode.url,
-        }
-        started = time.monotonic()
-        answer = await self._decode(req, attempt_id, None, decode, None, entry)
-        if self.state.config.logging.attempts and attempt_log.isEnabledFor(
-            logging.INFO
-        ):
-            entry["outcome"] = (
-                answer.reason if isinstance(answer, Failure) else "decode_only"
-            )
-            entry["total_ms"] = round((time.monotonic() - started) * 1000, 2)
-            attempt_log.info("%s", _encode_json(entry).decode())
-        return answer
+        return Prefilled(kv_params)
 
     # ---------------------------------------------------------------- decode
 
-    async def _decode(
-        self,
-        req: _Request,
-        attempt_id: str,
-        prefill: Instance | None,
-        decode: Instance,
-        kv_params: bytes | None,
-        entry: dict[str, Any],
-    ) -> web.StreamResponse | Failure:
-        """The decode leg; frees the prefill's held KV whenever it won't be pulled."""
-        body = decode_body(req.decode_raw, kv_params)
-        headers = {**decode.headers, "X-Request-Id": attempt_id}
-        pulled = False  # True once the decode produced data: the KV was loaded
-        decode.in_flight += 1
-        try:
-            remaining = req.remaining()
-            if remaining <= 0:
-                return Failure("total_timeout", "total timeout exceeded", "decode")
-            streamed = req.body.stream or req.assemble
-            leg = self._decode_stream if streamed else self._decode_json
-            answer = await leg(
-                req, attempt_id, prefill, decode, body, headers, remaining, entry
-            )
-            pulled = not isinstance(answer, Failure) and 200 <= answer.status < 300
-            return answer
-        finally:
-            decode.in_flight -= 1
-            if not pulled and prefill is not None and kv_params is not None:
-                self._abort(prefill, attempt_id, kv_params)
+    @staticmethod
+    def _decode_request(
+        attempt: Attempt, req: _Request
+    ) -> tuple[bytes, dict[str, str]]:
+        """The decode leg's body (with the prefill's params verbatim) and headers."""
+        body = decode_body(req.decode_raw, attempt.kv_params)
+        return body, {**attempt.decode.headers, "X-Request-Id": attempt.id}
 
     async def _decode_json(
-        self,
-        req: _Request,
-        attempt_id: str,
-        prefill: Instance | None,
-        decode: Instance,
-        body: bytes,
-        headers: dict[str, str],
-        remaining: float,
-        entry: dict[str, Any],
-    ) -> web.StreamResponse | Failure:
+        self, req: _Request, attempt: Attempt, remaining: float
+    ) -> Answer | Passthrough | Failure:
+        """A non-streaming decode, read whole (``retry.non_stream_as_stream`` off)."""
         st = self.state
+        decode = attempt.decode
+        body, headers = self._decode_request(attempt, req)
         timeout = aiohttp.ClientTimeout(
             total=remaining, sock_connect=req.config.timeouts.connect_s
         )
@@ -593,42 +716,33 @@ class Flow:
                 "decode",
                 answered=True,
                 instance=decode,
-                prefill=prefill,
+                prefill=attempt.prefill,
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             return self._decode_transport_failure(decode, exc, timeout)
         st.metrics.leg_decode.observe(time.monotonic() - started)
-        entry["status"] = status
+        attempt.status = status
         if status >= 500 or status < 200 or 300 <= status < 400:
-            return self._decode_error(prefill, decode, status, data)
+            return self._decode_error(attempt, status, data)
         if status >= 400:
-            entry["outcome"] = "decode_4xx"
-            self._finish(req, "upstream_4xx")
             return _passthrough(status, data, content_type, req.request_id)
-        st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.decode_raw)
         ttft, _ = st.metrics.route_histograms(req.route.label)
         ttft.observe(time.monotonic() - req.started)
-        self._finish(req, "ok")
-        return web.Response(
-            body=data,
-            headers={"Content-Type": content_type, "X-Request-Id": req.request_id},
+        return Answer(
+            web.Response(
+                body=data,
+                headers={"Content-Type": content_type, "X-Request-Id": req.request_id},
+            )
         )
 
-    async def _decode_stream(
-        self,
-        req: _Request,
-        attempt_id: str,
-        prefill: Instance | None,
-        decode: Instance,
-        body: bytes,
-        headers: dict[str, str],
-        remaining: float,
-        entry: dict[str, Any],
-    ) -> web.StreamResponse | Failure:
+    async def _decode_first(
+        self, req: _Request, attempt: Attempt, remaining: float
+    ) -> FirstData | Passthrough | Failure:
+        """A decode stream up to its first event, within ``decode_first_token_s``."""
         st = self.state
-        cfg = req.config
-        first_token_s = min(cfg.timeouts.decode_first_token_s, remaining)
+        decode = attempt.decode
+        body, headers = self._decode_request(attempt, req)
+        first_token_s = min(req.config.timeouts.decode_first_token_s, remaining)
         started = time.monotonic()
         resp: aiohttp.ClientResponse | None = None
         scanner = FirstEventScanner()
@@ -641,17 +755,15 @@ class Flow:
                     st.stream_timeout,
                     "decode",
                 )
-                entry["status"] = resp.status
+                attempt.status = resp.status
                 if resp.status != 200:
                     data = await resp.content.read(_MAX_ERROR_BODY)
                     status = resp.status
                     content_type = resp.headers.get("Content-Type", "application/json")
                     resp.close()
                     if 400 <= status < 500:
-                        entry["outcome"] = "decode_4xx"
-                        self._finish(req, "upstream_4xx")
                         return _passthrough(status, data, content_type, req.request_id)
-                    return self._decode_error(prefill, decode, status, data)
+                    return self._decode_error(attempt, status, data)
                 verdict = None
                 async for chunk in resp.content.iter_any():
                     verdict = scanner.feed(chunk)
@@ -669,7 +781,7 @@ class Flow:
                 st.metrics.upstream_failures.labels(
                     "decode", decode.url, "decode_timeout"
                 ).inc()
-                self._abort(decode, attempt_id, None)
+                self._abort(decode, attempt.id, None)
                 return Failure(
                     "decode_timeout",
                     f"no first token within {first_token_s:.3g}s",
@@ -679,45 +791,28 @@ class Flow:
         except asyncio.CancelledError:
             if resp is not None:
                 resp.close()
-            self._abort(decode, attempt_id, None)
+            self._abort(decode, attempt.id, None)
             raise
         assert resp is not None
         st.metrics.leg_decode.observe(time.monotonic() - started)
-        if verdict.kind is not First.DATA:
-            resp.close()
-            if verdict.kind is First.ERROR:
-                return self._decode_error(
-                    prefill, decode, 200, verdict.message.encode()
-                )
-            st.metrics.upstream_failures.labels(
-                "decode", decode.url, "decode_empty"
-            ).inc()
-            return Failure(
-                "decode_empty",
-                verdict.message,
-                "decode",
-                answered=True,
-                instance=decode,
-                prefill=prefill,
-            )
-        st.health.note(decode, ok=True)
-        self._record_clean_load(prefill, decode, body is not req.decode_raw)
-        if req.assemble:
-            return await self._collect(
-                req, attempt_id, prefill, decode, resp, scanner.held, entry
-            )
-        return await self._relay(req, attempt_id, decode, resp, scanner.held, entry)
+        if verdict.kind is First.DATA:
+            return FirstData(resp, scanner.held)
+        resp.close()
+        if verdict.kind is First.ERROR:
+            return self._decode_error(attempt, 200, verdict.message.encode())
+        st.metrics.upstream_failures.labels("decode", decode.url, "decode_empty").inc()
+        return Failure(
+            "decode_empty",
+            verdict.message,
+            "decode",
+            answered=True,
+            instance=decode,
+            prefill=attempt.prefill,
+        )
 
     async def _collect(
-        self,
-        req: _Request,
-        attempt_id: str,
-        prefill: Instance | None,
-        decode: Instance,
-        resp: aiohttp.ClientResponse,
-        held: bytes,
-        entry: dict[str, Any],
-    ) -> web.StreamResponse | Failure:
+        self, req: _Request, attempt: Attempt, first: FirstData
+    ) -> Answer | Failure:
         """Reads the rest of a stream into one JSON reply for a non-stream client.
 
         The client has seen nothing yet, so any failure (an error event, a
@@ -726,13 +821,15 @@ class Flow:
         """
         st = self.state
         cfg = req.config
+        decode = attempt.decode
+        resp = first.resp
         limit = cfg.limits.max_reply_bytes
         idle = cfg.timeouts.stream_idle_s
         loop = asyncio.get_running_loop()
         reader = EventReader()
         reply = Assembler()
-        size = len(held)
-        events = reader.feed(held)
+        size = len(first.held)
+        events = reader.feed(first.held)
         done = False
         failure: Failure | None = None
         try:
@@ -743,7 +840,7 @@ class Flow:
                         if data.strip() == DONE:
                             done = True
                             break
-                        failure = self._stream_event(prefill, decode, data, reply)
+                        failure = self._stream_event(attempt, data, reply)
                         if failure is not None:
                             break
                     if done or failure is not None:
@@ -759,7 +856,7 @@ class Flow:
                             "decode",
                             answered=True,
                             instance=decode,
-                            prefill=prefill,
+                            prefill=attempt.prefill,
                         )
                         break
                     events = reader.feed(data)
@@ -804,35 +901,29 @@ class Flow:
                     "decode", decode.url, failure.reason
                 ).inc()
             if not done:
-                self._abort(decode, attempt_id, None)
+                self._abort(decode, attempt.id, None)
             return failure
-        entry["outcome"] = "ok"
         ttft, _ = st.metrics.route_histograms(req.route.label)
         ttft.observe(time.monotonic() - req.started)
-        self._finish(req, "ok")
-        return web.Response(
-            body=_encode_json(result),
-            headers={
-                "Content-Type": "application/json",
-                "X-Request-Id": req.request_id,
-            },
+        return Answer(
+            web.Response(
+                body=_encode_json(result),
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Request-Id": req.request_id,
+                },
+            )
         )
 
-    async def _relay(
-        self,
-        req: _Request,
-        attempt_id: str,
-        decode: Instance,
-        resp: aiohttp.ClientResponse,
-        held: bytes,
-        entry: dict[str, Any],
-    ) -> web.StreamResponse:
-        """Sends the held first event, then relays; failures end the stream."""
+    async def _relay(self, req: _Request, attempt: Attempt, first: FirstData) -> Answer:
+        """Sends the held first event, then relays; failures end the stream.
+
+        The answer's outcome is ``ok``, ``stream_error`` (the stream is cut
+        short by an error event) or ``client_disconnected``.
+        """
         st = self.state
-        cfg = req.config
-        metrics = st.metrics
-        ttft, _ = metrics.route_histograms(req.route.label)
-        loop = asyncio.get_running_loop()
+        decode = attempt.decode
+        resp = first.resp
         out = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -840,127 +931,127 @@ class Flow:
                 "X-Request-Id": req.request_id,
             }
         )
-        outcome = "ok"
+        outcome = "client_disconnected"  # until the stream has ended
         try:
-            try:
-                await out.prepare(req.http)
-                await out.write(held)
-            except (ConnectionError, aiohttp.ClientConnectionResetError):
-                outcome = "client_disconnected"
-                return out
-            now = time.monotonic()
-            ttft.observe(now - req.started)
-            idle = cfg.timeouts.stream_idle_s
-            # The idle timer is moved only every ``slack`` seconds, not per
-            # chunk: a gap of ``idle`` is still caught, at most ``slack`` late.
-            slack = idle / 16
-            gap = metrics.gaps
-            last = armed = now
-            tail = held[-16:]
-            aborted = _upstream_aborted(held)
-            content = resp.content
-            error: str | None = None
-            done = False
-            try:
-                async with asyncio.timeout(
-                    min(now + idle + slack, req.deadline) - now
-                ) as timer:
-                    while True:
-                        try:
-                            chunk = await content.readany()
-                        except aiohttp.ClientError as exc:
-                            error = f"decode stream broke: {exc.__class__.__name__}"
-                            break
-                        if not chunk:
-                            break
-                        now = time.monotonic()
-                        gap.observe(now - last)
-                        last = now
-                        tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-                        if b'"abort"' in chunk and _upstream_aborted(chunk):
-                            aborted = True
-                        # [DONE] is held back: an error event must come before it.
-                        if chunk.endswith(_DONE_EVENT):
-                            chunk = chunk[: -len(_DONE_EVENT)]
-                            done = True
-                        try:
-                            if chunk:
-                                await out.write(chunk)
-                        except (ConnectionError, aiohttp.ClientConnectionResetError):
-                            outcome = "client_disconnected"
-                            return out
-                        if now - armed >= slack:
-                            armed = now
-                            timer.reschedule(
-                                loop.time() + min(idle + slack, req.deadline - now)
-                            )
-            except TimeoutError:
-                error = (
-                    "request exceeded its total timeout"
-                    if time.monotonic() >= req.deadline
-                    else f"decode stream idle for {idle:.3g}s"
-                )
-            if error is None and aborted:
-                error = "decode aborted the request mid-stream"
-            if error is None and not done and not tail.rstrip().endswith(DONE):
-                error = "decode stream ended without [DONE]"
-            last_event = _DONE_EVENT if done else b""
-            if error is not None:
-                outcome = "stream_error"
-                st.health.note(decode, ok=False)
-                metrics.upstream_failures.labels(
-                    "decode", decode.url, "stream_broken"
-                ).inc()
-                entry["error"] = error
-                last_event = error_event(502, error)
-            try:
-                # The last event and the end of the chunked body in one write.
-                await out.write_eof(last_event)
-            except (ConnectionError, aiohttp.ClientConnectionResetError):
-                if error is None:
-                    outcome = "client_disconnected"
-            return out
+            if await _write(out, first.held, prepare=req.http):
+                ttft, _ = st.metrics.route_histograms(req.route.label)
+                ttft.observe(time.monotonic() - req.started)
+                end = await self._pump(req, resp, out, first.held)
+                if end is not None:
+                    last_event = DONE_EVENT if end.done else b""
+                    outcome = "ok"
+                    if end.error is not None:
+                        outcome = "stream_error"
+                        st.health.note(decode, ok=False)
+                        st.metrics.upstream_failures.labels(
+                            "decode", decode.url, "stream_broken"
+                        ).inc()
+                        attempt.error = end.error
+                        last_event = error_event(502, end.error)
+                    # The last event and the end of the chunked body in one write.
+                    sent = await _write(out, last_event, eof=True)
+                    if not sent and end.error is None:
+                        outcome = "client_disconnected"
+            return Answer(out, outcome)
         except asyncio.CancelledError:
             outcome = "client_disconnected"
             raise
         finally:
-            entry["outcome"] = outcome
             if outcome != "ok" or not resp.content.at_eof():
                 resp.close()
             else:
                 resp.release()
             if outcome == "client_disconnected":
-                self._abort(decode, attempt_id, None)
-            self._finish(req, outcome)
+                self._abort(decode, attempt.id, None)
+
+    async def _pump(
+        self,
+        req: _Request,
+        resp: aiohttp.ClientResponse,
+        out: web.StreamResponse,
+        held: bytes,
+    ) -> _StreamEnd | None:
+        """Relays the decode's chunks after ``held``; None once the client is gone.
+
+        [DONE] is held back, for an error event must come before it.
+        """
+        idle = req.config.timeouts.stream_idle_s
+        # The idle timer is moved only every ``slack`` seconds, not per
+        # chunk: a gap of ``idle`` is still caught, at most ``slack`` late.
+        slack = idle / 16
+        gap = self.state.metrics.gaps
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        last = armed = now
+        tail = held[-16:]
+        aborted = _upstream_aborted(held)
+        content = resp.content
+        error: str | None = None
+        done = False
+        try:
+            async with asyncio.timeout(
+                min(now + idle + slack, req.deadline) - now
+            ) as timer:
+                while True:
+                    try:
+                        chunk = await content.readany()
+                    except aiohttp.ClientError as exc:
+                        error = f"decode stream broke: {exc.__class__.__name__}"
+                        break
+                    if not chunk:
+                        break
+                    now = time.monotonic()
+                    gap.observe(now - last)
+                    last = now
+                    tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+                    if b'"abort"' in chunk and _upstream_aborted(chunk):
+                        aborted = True
+                    if chunk.endswith(DONE_EVENT):
+                        chunk = chunk[: -len(DONE_EVENT)]
+                        done = True
+                    if not await _write(out, chunk):
+                        return None
+                    if now - armed >= slack:
+                        armed = now
+                        timer.reschedule(
+                            loop.time() + min(idle + slack, req.deadline - now)
+                        )
+        except TimeoutError:
+            error = (
+                "request exceeded its total timeout"
+                if time.monotonic() >= req.deadline
+                else f"decode stream idle for {idle:.3g}s"
+            )
+        if error is None and aborted:
+            error = "decode aborted the request mid-stream"
+        if error is None and not done and not tail.rstrip().endswith(DONE):
+            error = "decode stream ended without [DONE]"
+        return _StreamEnd(done, error)
 
     # --------------------------------------------------------------- helpers
 
     def _stream_event(
-        self,
-        prefill: Instance | None,
-        decode: Instance,
-        data: bytes,
-        reply: Assembler,
+        self, attempt: Attempt, data: bytes, reply: Assembler
     ) -> Failure | None:
         """Adds one data event of a collected stream to ``reply``, or fails."""
         message = error_message(data)
         if message is not None:
-            return self._decode_error(prefill, decode, 200, message.encode())
+            return self._decode_error(attempt, 200, message.encode())
         try:
             chunk = _decode_json(data)
         except (msgspec.DecodeError, RecursionError):
             chunk = None
         if not isinstance(chunk, dict):
             self.state.metrics.upstream_failures.labels(
-                "decode", decode.url, "decode_bad_reply"
+                "decode", attempt.decode.url, "decode_bad_reply"
             ).inc()
             return Failure(
                 "decode_bad_reply",
                 "decode stream event is not a JSON object",
                 "decode",
                 answered=True,
-                instance=decode,
-                prefill=prefill,
+                instance=attempt.decode,
+                prefill=attempt.prefill,
             )
         reply.feed(chunk)
         return None
@@ -973,11 +1064,10 @@ class Flow:
         self.state.metrics.upstream_failures.labels("decode", decode.url, reason).inc()
         return Failure(reason, message, "decode")
 
-    def _decode_error(
-        self, prefill: Instance | None, decode: Instance, status: int, data: bytes
-    ) -> Failure:
+    def _decode_error(self, attempt: Attempt, status: int, data: bytes) -> Failure:
         """Classifies a decode error before the first byte: integrity or not."""
         st = self.state
+        prefill, decode = attempt.prefill, attempt.decode
         message = _snippet(data)
         if _MARKER_BYTES in data:
             if prefill is not None:
@@ -997,13 +1087,6 @@ class Flow:
             prefill=prefill,
             status=status if status >= 500 else 500,
         )
-
-    def _record_clean_load(
-        self, prefill: Instance | None, decode: Instance, loaded: bool
-    ) -> None:
-        if prefill is not None and loaded:
-            for ejection in self.state.tracker.record_success(prefill, decode):
-                self.state.on_ejection(ejection)
 
     def _abort(self, inst: Instance, attempt_id: str, kv_params: bytes | None) -> None:
         """Asks ``inst`` (in the background) to abort the attempt and free its KV."""
@@ -1025,7 +1108,6 @@ class Flow:
         e2e.observe(time.monotonic() - req.started)
 
 
-_DONE_EVENT = b"data: [DONE]\n\n"
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 
 

@@ -21,7 +21,7 @@ from yarl import URL
 from proxy.instances import Instance
 
 if TYPE_CHECKING:
-    from proxy.app import ProxyState
+    from proxy.state import ProxyState
 
 log = logging.getLogger("kvguard.proxy.health")
 

@@ -1,92 +1,21 @@
 """The proxy's Prometheus metrics, on a registry of its own per application.
 
 Instance state is collected at scrape time from the live pools, so removed
-instances vanish from /metrics instead of leaving stale series. Latency
-histograms are ``Histogram`` below, not prometheus_client's: they are
-observed for every relayed token, and its ``observe`` (locks, a linear bucket
-search) cost six times as much.
+instances vanish from /metrics instead of leaving stale series.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from proxy.instances import Instance
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-
-
-class HistogramChild:
-    """One labelled series: a count per bucket (``le`` inclusive) and a sum.
-
-    Observed from the event loop's thread only; a scrape from another thread
-    may see a count and the sum one observation apart, as Prometheus allows.
-    """
-
-    __slots__ = ("_bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self._bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self._bounds, value)] += 1
-        self.sum += value
-
-
-class Histogram(Collector):
-    """A histogram family whose ``labels(...).observe`` costs a bisect."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        buckets: Sequence[float] = _LATENCY,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self._name = name
-        self._doc = documentation
-        self._labelnames = tuple(labelnames)
-        self._bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
-        if registry is not None:
-            registry.register(self)
-
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name}: expected labels {self._labelnames}")
-            child = self._children[values] = HistogramChild(self._bounds)
-        return child
-
-    def observe(self, value: float) -> None:
-        """For a family without labels."""
-        self.labels().observe(value)
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        edges = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
-        for values, child in list(self._children.items()):
-            running = 0
-            buckets = []
-            for edge, count in zip(edges, list(child.counts), strict=True):
-                running += count
-                buckets.append((edge, running))
-            family.add_metric(list(values), buckets, child.sum)
-        yield family
 
 
 class _InstanceCollector(Collector):
@@ -214,10 +143,10 @@ class ProxyMetrics:
         self.in_flight.set_function(in_flight)
         r.register(_InstanceCollector(instances))
         self._requests_children: dict[tuple[str, str], Counter] = {}
-        self._route_children: dict[str, tuple[HistogramChild, HistogramChild]] = {}
+        self._route_children: dict[str, tuple[Histogram, Histogram]] = {}
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode = self.leg.labels("decode")
-        self.gaps = self.inter_token.labels()
+        self.gaps = self.inter_token
 
     def count_request(self, route: str, outcome: str) -> None:
         child = self._requests_children.get((route, outcome))
@@ -227,7 +156,7 @@ class ProxyMetrics:
             )
         child.inc()
 
-    def route_histograms(self, route: str) -> tuple[HistogramChild, HistogramChild]:
+    def route_histograms(self, route: str) -> tuple[Histogram, Histogram]:
         """(ttft, e2e) children for ``route``, cached: labels() is not free."""
         pair = self._route_children.get(route)
         if pair is None:

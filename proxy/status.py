@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter
@@ -27,9 +27,7 @@ from prometheus_client import Counter
 from proxy.auth import bearer
 from proxy.errors import error_body
 from proxy.instances import Instance
-
-if TYPE_CHECKING:
-    from proxy.app import ProxyState
+from proxy.state import STATE, ProxyState
 
 DEFAULT_REFRESH_S = 5
 
@@ -66,8 +64,6 @@ def _keys_accept(state: ProxyState, request: web.Request) -> bool:
 
 async def status_page(request: web.Request) -> web.Response:
     """The page; 401 with a Basic challenge when an admin key is required."""
-    from proxy.app import STATE
-
     state = request.app[STATE]
     if not _keys_accept(state, request):
         return web.Response(

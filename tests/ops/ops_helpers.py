@@ -1,5 +1,5 @@
 """Helpers for the operations tests: real dnsmasq, Prometheus and Chromium
-processes on free local ports, the proxy in process, and a steady client load.
+processes on free local ports and a steady client load.
 
 Each external program is a Debian package that ``.ci/run`` installs; where one
 is missing, ``need()`` skips the test and says which package to install.
@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +24,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_app
-from proxy.config import ProxyConfig
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -42,22 +37,6 @@ def need(program: str, package: str) -> str:
     if path is None:
         pytest.skip(f"{program} not found: apt-get install {package} (.ci/run does)")
     return path
-
-
-def free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-    for match in pattern.finditer(text):
-        if all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 async def eventually(
@@ -115,7 +94,7 @@ class Dnsmasq:
         return self.port
 
     def _spawn(self) -> None:
-        self.port = free_port(kind=socket.SOCK_DGRAM)
+        self.port = free_port(udp=True)
         args = [
             self.binary,
             "--keep-in-foreground",
@@ -147,6 +126,7 @@ class Dnsmasq:
 
     async def lookup(self, name: str) -> set[str]:
         import aiodns
+        from pycares import AAAARecordData, ARecordData
 
         resolver = aiodns.DNSResolver(
             nameservers=[f"127.0.0.1:{self.port}"], timeout=0.5, tries=1
@@ -158,7 +138,11 @@ class Dnsmasq:
                     answer = await resolver.query_dns(name, qtype)
                 except aiodns.error.DNSError:
                     continue
-                found |= {str(r.data.addr) for r in answer.answer}
+                found |= {
+                    str(r.data.addr)
+                    for r in answer.answer
+                    if isinstance(r.data, ARecordData | AAAARecordData)
+                }
         finally:
             await resolver.close()
         return found
@@ -186,34 +170,6 @@ class Dnsmasq:
 
 
 # -------------------------------------------------------------------- proxy
-
-
-@dataclass
-class RunningProxy:
-    url: str
-    app: web.Application
-
-    @property
-    def state(self) -> ProxyState:
-        return self.app[STATE]
-
-
-@asynccontextmanager
-async def running_proxy(
-    config: ProxyConfig | dict[str, Any], host: str = "127.0.0.1"
-) -> AsyncIterator[RunningProxy]:
-    """The proxy's real application on a free port, for the test's duration."""
-    if isinstance(config, dict):
-        config = ProxyConfig.model_validate(config)
-    app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    try:
-        yield RunningProxy(f"http://{host}:{runner.addresses[0][1]}", app)
-    finally:
-        await runner.cleanup()
 
 
 async def get_text(url: str, **kwargs: Any) -> tuple[int, str]:
@@ -338,18 +294,18 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     prev = bytearray(stride)
     for y in range(height):
         start = y * (stride + 1)
-        kind, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        filt, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
         for x in range(stride):
             left = line[x - channels] if x >= channels else 0
             up = prev[x]
             corner = prev[x - channels] if x >= channels else 0
-            if kind == 1:
+            if filt == 1:
                 line[x] = (line[x] + left) & 255
-            elif kind == 2:
+            elif filt == 2:
                 line[x] = (line[x] + up) & 255
-            elif kind == 3:
+            elif filt == 3:
                 line[x] = (line[x] + (left + up) // 2) & 255
-            elif kind == 4:
+            elif filt == 4:
                 p = left + up - corner
                 pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
                 pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import aiohttp
 import pytest
-from ops_helpers import Dnsmasq, Load, complete, eventually, metric, running_proxy
+from ops_helpers import Dnsmasq, Load, complete, eventually
 
 from proxy.config import ConfigError, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
+from proxy.testing import running_proxy
+from tests.support.metrics import metric
 
 torch = pytest.importorskip("torch")
 
@@ -42,6 +45,21 @@ async def _engines_on_one_port(
             for server in servers:
                 await server.stop()
     raise RuntimeError("no port free on every address")
+
+
+def _hold_long_prefills(engine: Engine, over_tokens: int) -> asyncio.Event:
+    """Holds ``engine``'s steps prefilling more than ``over_tokens`` until the
+    returned event is set (after its simulated compute, as usual)."""
+    release = asyncio.Event()
+    simulate = engine._simulate_compute
+
+    async def held(step: Any, elapsed: float) -> None:
+        if step.num_prefill_tokens() > over_tokens:
+            await release.wait()
+        await simulate(step, elapsed)
+
+    engine._simulate_compute = held  # type: ignore[method-assign]
+    return release
 
 
 async def _sent(session: aiohttp.ClientSession, host: str, port: int) -> float:
@@ -118,8 +136,12 @@ async def test_traffic_follows_dns_records_with_no_failed_request():
             assert pool[url_b].discovered_by == f"prefill.kv.test:{port}"
 
             # A request in flight on an address that leaves DNS finishes there.
+            # A's prefill of the long prompt is held until the test has seen A
+            # drained and still listed: a 2 s prefill raced the DNS change
+            # (0.3-0.9 s from in flight to drained, measured under load).
             await load.stop()
             long_prompt = "x" * 1000
+            release = _hold_long_prefills(servers[0].engine, over_tokens=500)
             async with aiohttp.ClientSession() as client:
                 slow = [
                     asyncio.create_task(complete(client, proxy.url, long_prompt, s))
@@ -135,6 +157,8 @@ async def test_traffic_follows_dns_records_with_no_failed_request():
                 )
                 await eventually(lambda: inst_a.drained, "A drained once out of DNS")
                 assert url_a in _pool_urls(state), "removed with a request in flight"
+                assert inst_a.in_flight == 1
+                release.set()
                 load.start()
                 assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
             await eventually(lambda: url_a not in _pool_urls(state), "A removed")

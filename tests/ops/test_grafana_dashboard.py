@@ -16,8 +16,11 @@ import re
 
 import aiohttp
 import pytest
-from ops_helpers import DEPLOY, REPO, complete, metric, running_proxy
+from ops_helpers import DEPLOY, REPO, complete
 from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.testing import running_proxy
+from tests.support.metrics import metric
 
 DASHBOARD = DEPLOY / "grafana" / "kvguard-dashboard.json"
 

@@ -15,7 +15,10 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from ops_helpers import DEPLOY, complete, eventually, free_port, need, running_proxy
+from ops_helpers import DEPLOY, complete, eventually, need
+
+from proxy.testing import running_proxy
+from tests.support.ports import free_port
 
 RULES = DEPLOY / "prometheus" / "kvguard-rules.yaml"
 RULE_TESTS = DEPLOY / "prometheus" / "kvguard-rules.test.yaml"

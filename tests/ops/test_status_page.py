@@ -17,8 +17,9 @@ from ops_helpers import (
     count_color,
     get_text,
     png_pixels,
-    running_proxy,
 )
+
+from proxy.testing import running_proxy
 
 # The page's highlight colours (proxy/status.py's CSS).
 BAD_BG = (0xFF, 0xD7, 0xD5)

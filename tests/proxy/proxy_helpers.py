@@ -1,4 +1,4 @@
-"""Fixtures for the proxy's tests: a tiny in-process P/D backend and a proxy runner.
+"""Fixtures for the proxy's tests: a tiny in-process P/D backend, a config maker.
 
 The stub backend speaks just enough of vLLM's P/D protocol (wire.md) to test
 the proxy's flow without torch: a prefill answers one token and
@@ -14,7 +14,6 @@ import asyncio
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,19 +22,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_app
 from proxy.config import ProxyConfig
-from proxy.server import ProxyRunner
-
-MARKER = "KV checksum mismatch"
+from proxy.protocol import INTEGRITY_MARKER
 
 _STUBS: dict[int, StubEngine] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def expected_text(prompt: Any, max_tokens: int) -> str:
@@ -204,7 +194,7 @@ class StubEngine:
         stream = bool(body.get("stream"))
         err = {
             "error": {
-                "message": f"{MARKER} in block 1",
+                "message": f"{INTEGRITY_MARKER} in block 1",
                 "type": "InternalServerError",
                 "param": None,
                 "code": 500,
@@ -319,40 +309,6 @@ def make_config(
             **sections,
         }
     )
-
-
-@dataclass
-class RunningProxy:
-    url: str
-    state: ProxyState
-    session: aiohttp.ClientSession
-
-    async def post(self, path: str, body: Any, **kwargs: Any) -> aiohttp.ClientResponse:
-        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
-        return await self.session.post(self.url + path, data=data, **kwargs)
-
-    async def metrics(self) -> str:
-        async with self.session.get(self.url + "/metrics") as resp:
-            return await resp.text()
-
-
-@asynccontextmanager
-async def run_proxy(
-    config: ProxyConfig, source: str | None = None
-) -> AsyncIterator[RunningProxy]:
-    """Serves ``config`` on a free port the way ``kvguard proxy`` does."""
-    app = create_app(config, source)
-    runner = ProxyRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
-    try:
-        yield RunningProxy(f"http://127.0.0.1:{port}", app[STATE], session)
-    finally:
-        await session.close()
-        await runner.cleanup()
 
 
 async def read_sse(resp: aiohttp.ClientResponse) -> tuple[str, list[Any]]:

@@ -7,9 +7,10 @@ import asyncio
 import time
 
 import pytest
-from proxy_helpers import make_config, run_proxy
+from proxy_helpers import make_config
 
 from proxy.config import TimeoutsConfig
+from proxy.testing import running_proxy
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
 
@@ -29,7 +30,7 @@ async def test_reset_on_a_reused_connection_is_retried_and_not_held_against_it(
         timeouts={"backend_keepalive_s": 30},  # keep them past the backends' 0.2 s
         health={"interval_s": 30, "unhealthy_threshold": 1},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for stream in (False, True, False, True):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
             assert resp.status == 200, await resp.text()
@@ -58,7 +59,7 @@ async def test_oversized_prefill_reply_fails_the_attempt_saying_why(stubs, chunk
         limits={"max_reply_bytes": 65536},
         retry={"backoff_base_s": 0},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for _ in range(2):  # round robin: one of them tries the big one first
             resp = await px.post("/v1/completions", COMPLETION)
             assert resp.status == 200
@@ -77,7 +78,7 @@ async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
         limits={"max_reply_bytes": 65536},
         retry={"backoff_base_s": 0, "max_attempts": 1},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         body = await resp.json()
     assert resp.status >= 500
@@ -104,14 +105,20 @@ async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
     )
     others: list[int] = []
     poison: list[tuple[int, float, str]] = []
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         stop = asyncio.Event()
+        enough = asyncio.Event()
+
+        def count() -> None:
+            if len(others) > 50 and len(poison) >= 3:
+                enough.set()
 
         async def client() -> None:
             while not stop.is_set():
                 resp = await px.post("/v1/completions", COMPLETION)
                 await resp.read()
                 others.append(resp.status)
+                count()
                 await asyncio.sleep(0.005)
 
         async def poisoner() -> None:
@@ -120,11 +127,15 @@ async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
                 resp = await px.post("/v1/completions", POISON)
                 message = (await resp.json())["error"]["message"]
                 poison.append((resp.status, time.monotonic() - started, message))
+                count()
                 await asyncio.sleep(0.3)
 
         tasks = [asyncio.create_task(client()) for _ in range(4)]
         tasks.append(asyncio.create_task(poisoner()))
+        # Two probe rounds and enough requests of each kind, however slow a
+        # loaded machine makes them.
         await asyncio.sleep(2.5)
+        await enough.wait()
         stop.set()
         await asyncio.gather(*tasks)
         healthy = [i.healthy for i in px.state.all_instances()]

@@ -7,19 +7,20 @@ Each test starts its engines in-process on free ports; a monolithic engine
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-from proxy_helpers import make_config, read_sse, run_proxy
+from proxy_helpers import make_config, read_sse
 
 pytest.importorskip("torch")
 
 from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
 from fake_engine.testing import EngineSpec, fake_engines
+from proxy.testing import running_proxy
+from tests.support.metrics import fetch_metric, metric
 
 PRODUCER = EngineSpec(role=Role.PRODUCER)
 # Decodes fail loads whose checksums mismatch (KVGuard's fail-closed mode).
@@ -60,24 +61,6 @@ async def answer(
         return resp.status, text_of(route, reply), []
 
 
-async def engine_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert match, f"{name} not in {url}/metrics"
-    return float(match.group(1))
-
-
-def proxy_metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 async def references(
     session: aiohttp.ClientSession, mono: str, route: str = "/v1/completions"
 ) -> dict[str, str]:
@@ -92,7 +75,7 @@ async def references(
 async def test_text_through_the_proxy_equals_a_monolithic_engine():
     async with (
         fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
-        run_proxy(make_config([p], [d])) as px,
+        running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         for route in ("/v1/completions", "/v1/chat/completions"):
@@ -106,7 +89,7 @@ async def test_text_through_the_proxy_equals_a_monolithic_engine():
                         s, px.url, route, body(route, prompt, stream, 12)
                     )
                     assert got == (200, want, []), (route, stream)
-        verified = await engine_metric(s, d, "kvguard_kv_checksum_verified_total")
+        verified = await fetch_metric(s, d, "kvguard_kv_checksum_verified_total")
     assert verified >= 12  # every answer came through a checked KV load
 
 
@@ -114,7 +97,7 @@ async def test_client_kv_transfer_params_are_ignored():
     evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
     async with (
         fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
-        run_proxy(make_config([p], [d])) as px,
+        running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         route = "/v1/completions"
@@ -167,25 +150,21 @@ async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected
             ejection={"instance_failures": threshold, "cooldown_s": 300},
             retry={"backoff_base_s": 0.001},
         )
-        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             refs = await references(s, mono)
             results = await run_load(px.url, refs, 200, concurrency)
             metrics = await px.metrics()
-            held = await engine_metric(s, bad, "kvguard_kv_blocks_held")
+            held = await fetch_metric(s, bad, "kvguard_kv_blocks_held")
     assert len(results) == 200
     assert all(r == (200, True, []) for r in results)
-    failures = proxy_metric(
-        metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad
-    )
+    failures = metric(metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad)
     assert threshold <= failures <= threshold + concurrency
     assert (
-        proxy_metric(
-            metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance"
-        )
+        metric(metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance")
         == 1
     )
-    assert proxy_metric(metrics, "kvguard_proxy_instance_ejected", instance=bad) == 1
-    assert proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=d) == 0
+    assert metric(metrics, "kvguard_proxy_instance_ejected", instance=bad) == 1
+    assert metric(metrics, "kvguard_proxy_ejections_total", instance=d) == 0
     assert held == 0  # the KV of failed loads was freed, not left to its lease
 
 
@@ -208,27 +187,21 @@ async def test_faulty_decode_among_two_every_answer_correct_and_ejected():
             ejection={"instance_failures": threshold, "cooldown_s": 300},
             retry={"backoff_base_s": 0.001},
         )
-        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             refs = await references(s, mono)
             results = await run_load(px.url, refs, 200, concurrency)
             metrics = await px.metrics()
     assert all(r == (200, True, []) for r in results) and len(results) == 200
-    failures = proxy_metric(
-        metrics, "kvguard_proxy_kv_integrity_failures_total", decode=bad
-    )
+    failures = metric(metrics, "kvguard_proxy_kv_integrity_failures_total", decode=bad)
     assert threshold <= failures <= threshold + concurrency
     assert (
-        proxy_metric(
-            metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance"
-        )
+        metric(metrics, "kvguard_proxy_ejections_total", instance=bad, kind="instance")
         == 1
     )
     # The pair (p, bad) may be ejected too when its fifth failure comes first;
     # that is no blame on p.
     assert (
-        proxy_metric(
-            metrics, "kvguard_proxy_ejections_total", instance=p, kind="instance"
-        )
+        metric(metrics, "kvguard_proxy_ejections_total", instance=p, kind="instance")
         == 0
     )
 
@@ -239,7 +212,7 @@ async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event():
     async with fake_engines(PRODUCER, slow) as urls:
         p, d = urls
         config = make_config([p], [d], timeouts={"stream_idle_s": idle})
-        async with run_proxy(config) as px:
+        async with running_proxy(config) as px:
             resp = await px.post(
                 "/v1/completions", body("/v1/completions", PROMPTS[0], True, 200)
             )
@@ -262,15 +235,12 @@ async def test_decode_down_before_start_is_retried_elsewhere():
         p, d_dead, d_ok, mono = urls
         await urls.stop(1)
         config = make_config([p], [d_dead, d_ok], retry={"backoff_base_s": 0.001})
-        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             refs = await references(s, mono)
             results = await run_load(px.url, refs, 10, 2)
             metrics = await px.metrics()
     assert all(r == (200, True, []) for r in results)
-    assert (
-        proxy_metric(metrics, "kvguard_proxy_retries_total", reason="decode_connect")
-        >= 1
-    )
+    assert metric(metrics, "kvguard_proxy_retries_total", reason="decode_connect") >= 1
 
 
 async def test_every_prefill_down_gives_503_within_the_connect_timeout():
@@ -279,7 +249,7 @@ async def test_every_prefill_down_gives_503_within_the_connect_timeout():
         await urls.stop(0)
         await urls.stop(1)
         config = make_config([p1, p2], [d], timeouts={"connect_s": 1.0})
-        async with run_proxy(config) as px:
+        async with running_proxy(config) as px:
             started = time.monotonic()
             resp = await px.post(
                 "/v1/completions", body("/v1/completions", "hi", False)
@@ -294,7 +264,7 @@ async def test_client_disconnect_mid_stream_aborts_the_decode_and_frees_prefill_
     slow = EngineSpec(role=Role.CONSUMER, decode_tokens_per_s=20)
     async with (
         fake_engines(PRODUCER, slow) as (p, d),
-        run_proxy(make_config([p], [d])) as px,
+        running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         async with aiohttp.ClientSession() as client:
@@ -307,11 +277,11 @@ async def test_client_disconnect_mid_stream_aborts_the_decode_and_frees_prefill_
         aborted = held = None
         for _ in range(60):
             await asyncio.sleep(0.05)
-            aborted = await engine_metric(s, d, "kvguard_requests_aborted_total")
-            held = await engine_metric(s, p, "kvguard_kv_blocks_held")
+            aborted = await fetch_metric(s, d, "kvguard_requests_aborted_total")
+            held = await fetch_metric(s, p, "kvguard_kv_blocks_held")
             if aborted >= 1 and held == 0:
                 break
-        running = await engine_metric(s, d, "vllm:num_requests_running")
+        running = await fetch_metric(s, d, "vllm:num_requests_running")
     assert aborted is not None and aborted >= 1
     assert held == 0
     assert running == 0
@@ -325,7 +295,7 @@ async def test_client_disconnect_before_the_first_token_frees_the_prefill_kv():
     )
     async with (
         fake_engines(stuck, CONSUMER) as (p, d),
-        run_proxy(make_config([p], [d])) as px,
+        running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         async with aiohttp.ClientSession() as client:
@@ -337,14 +307,14 @@ async def test_client_disconnect_before_the_first_token_frees_the_prefill_kv():
             )
             for _ in range(100):
                 await asyncio.sleep(0.02)
-                if await engine_metric(s, p, "kvguard_kv_blocks_held") > 0:
+                if await fetch_metric(s, p, "kvguard_kv_blocks_held") > 0:
                     break
-            assert await engine_metric(s, p, "kvguard_kv_blocks_held") > 0
+            assert await fetch_metric(s, p, "kvguard_kv_blocks_held") > 0
             task.cancel()
         held = None
         for _ in range(60):
             await asyncio.sleep(0.05)
-            held = await engine_metric(s, p, "kvguard_kv_blocks_held")
+            held = await fetch_metric(s, p, "kvguard_kv_blocks_held")
             if held == 0:
                 break
     assert held == 0
@@ -354,7 +324,7 @@ async def test_bad_requests_and_keys_are_refused_before_any_engine_work(monkeypa
     monkeypatch.setenv("PROXY_KEYS", "good-key")
     async with (
         fake_engines(PRODUCER, CONSUMER) as (p, d),
-        run_proxy(
+        running_proxy(
             make_config(
                 [p],
                 [d],
@@ -379,7 +349,7 @@ async def test_bad_requests_and_keys_are_refused_before_any_engine_work(monkeypa
             resp = await px.post("/v1/completions", data, headers=headers)
             assert resp.status == status
             assert (await resp.json())["error"]["code"] == status
-        sent = await engine_metric(s, p, "kvguard_kv_checksum_sent_total")
+        sent = await fetch_metric(s, p, "kvguard_kv_checksum_sent_total")
         resp = await px.post(
             "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=ok
         )
@@ -405,7 +375,7 @@ async def test_reload_adds_and_removes_an_instance_under_load_without_failures(
         )
         path.write_text(template.format(prefills=f"{{url: {p1}}}", d=d))
         async with (
-            run_proxy(load_config(path), source=str(path)) as px,
+            running_proxy(load_config(path), source=str(path)) as px,
             aiohttp.ClientSession() as s,
         ):
             refs = await references(s, mono)
@@ -414,7 +384,7 @@ async def test_reload_adds_and_removes_an_instance_under_load_without_failures(
             path.write_text(template.format(prefills=f"{{url: {p2}}}", d=d))
             assert await px.state.reload()  # what SIGHUP runs
             results = await load
-            sent_p2 = await engine_metric(s, p2, "kvguard_kv_checksum_sent_total")
+            sent_p2 = await fetch_metric(s, p2, "kvguard_kv_checksum_sent_total")
     assert len(results) == 150 and all(r == (200, True, []) for r in results)
     assert sent_p2 > 0
 
@@ -434,7 +404,7 @@ async def test_hung_kv_load_of_a_non_stream_request_is_retried_like_a_streams():
             timeouts={"decode_first_token_s": 1.0, "total_s": 20},
             retry={"backoff_base_s": 0.001},
         )
-        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             for route in ("/v1/completions", "/v1/chat/completions"):
                 payload = body(route, PROMPTS[3], False)
                 _, want, _ = await answer(s, mono, route, payload)
@@ -444,16 +414,13 @@ async def test_hung_kv_load_of_a_non_stream_request_is_retried_like_a_streams():
                 assert got == (200, want, [])
                 assert waited < 10, waited
             metrics = await px.metrics()
-    assert (
-        proxy_metric(metrics, "kvguard_proxy_retries_total", reason="decode_timeout")
-        == 1
-    )
+    assert metric(metrics, "kvguard_proxy_retries_total", reason="decode_timeout") == 1
 
 
 async def test_assembled_non_stream_reply_matches_the_engines_own():
     async with (
         fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
-        run_proxy(make_config([p], [d])) as px,
+        running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         for route in ("/v1/completions", "/v1/chat/completions"):
@@ -527,7 +494,7 @@ async def test_faulty_instance_alone_on_its_side_is_ejected_and_its_partners_are
                 "on_exhausted": "decode_only",
             },
         )
-        async with run_proxy(config) as px, aiohttp.ClientSession() as s:
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             refs = await references(s, mono)
             results = await run_load(px.url, refs, 60, 8)
             metrics = await px.metrics()
@@ -535,6 +502,6 @@ async def test_faulty_instance_alone_on_its_side_is_ejected_and_its_partners_are
     ejected = {
         url
         for url in urls[:3]
-        if proxy_metric(metrics, "kvguard_proxy_ejections_total", instance=url)
+        if metric(metrics, "kvguard_proxy_ejections_total", instance=url)
     }
     assert ejected == {bad_url}

@@ -7,16 +7,12 @@ import time
 
 import aiohttp
 import msgspec
-from proxy_helpers import (
-    MARKER,
-    expected_text,
-    free_port,
-    make_config,
-    read_sse,
-    run_proxy,
-)
+from proxy_helpers import expected_text, make_config, read_sse
 
 from proxy.body import PREFILL_KV_PARAMS
+from proxy.protocol import INTEGRITY_MARKER
+from proxy.testing import running_proxy
+from tests.support.ports import free_port
 
 COMPLETION = {
     "model": "m",
@@ -28,7 +24,7 @@ COMPLETION = {
 
 async def test_non_stream_completion_is_the_decode_reply(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         assert resp.status == 200
         body = await resp.json()
@@ -37,7 +33,7 @@ async def test_non_stream_completion_is_the_decode_reply(stubs):
 
 async def test_stream_completion_relays_every_token(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -58,7 +54,7 @@ async def test_prefill_body_follows_the_wire_protocol_and_keeps_other_fields(stu
         "temperature": 0.25,
         "vendor_extension": {"a": [1, 2]},
     }
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post("/v1/chat/completions", client)
         await resp.read()
     (sent,) = p.bodies()
@@ -76,7 +72,7 @@ async def test_prefill_body_follows_the_wire_protocol_and_keeps_other_fields(stu
 
 async def test_decode_gets_the_original_body_plus_the_prefills_params_verbatim(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         await (await px.post("/v1/completions", {**COMPLETION, "stream": True})).read()
     (sent,) = d.bodies()
     kvp = sent.pop("kv_transfer_params")
@@ -89,7 +85,7 @@ async def test_decode_gets_the_original_body_plus_the_prefills_params_verbatim(s
 async def test_client_kv_transfer_params_never_reach_a_backend(stubs):
     p, d = await stubs(), await stubs()
     evil = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 666}
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post(
             "/v1/completions", {**COMPLETION, "kv_transfer_params": evil}
         )
@@ -100,7 +96,7 @@ async def test_client_kv_transfer_params_never_reach_a_backend(stubs):
 
 async def test_request_id_is_sent_to_both_legs_and_echoed(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post(
             "/v1/completions", COMPLETION, headers={"X-Request-Id": "abc-1"}
         )
@@ -115,7 +111,7 @@ async def test_request_id_is_sent_to_both_legs_and_echoed(stubs):
 async def test_corrupted_load_is_retried_on_another_prefill_with_attempt_suffix(stubs):
     bad, good, d = await stubs("corrupt"), await stubs(), await stubs()
     config = make_config([bad.url, good.url], [d.url], retry={"backoff_base_s": 0})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for i, stream in enumerate((False, True, False, True)):
             resp = await px.post(
                 "/v1/completions",
@@ -146,7 +142,7 @@ async def test_corrupted_load_is_retried_on_another_prefill_with_attempt_suffix(
 async def test_decode_error_event_before_first_token_is_retried(stubs):
     p, d_bad, d_good = await stubs(), await stubs("integrity"), await stubs()
     config = make_config([p.url], [d_bad.url, d_good.url], retry={"backoff_base_s": 0})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for _ in range(4):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
             text, errors = await read_sse(resp)
@@ -162,7 +158,7 @@ async def test_empty_decode_stream_is_retried_elsewhere(stubs):
     config = make_config(
         [p.url], [d_empty.url, d_good.url], retry={"backoff_base_s": 0}
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for _ in range(2):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
             text, errors = await read_sse(resp)
@@ -179,7 +175,7 @@ async def test_first_token_timeout_is_retried(stubs):
         retry={"backoff_base_s": 0},
         timeouts={"decode_first_token_s": 0.3},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for _ in range(2):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
             text, errors = await read_sse(resp)
@@ -191,7 +187,7 @@ async def test_first_token_timeout_is_retried(stubs):
 
 async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(stubs):
     p, d = await stubs(), await stubs("die")
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         started = time.monotonic()
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
         assert resp.status == 200
@@ -207,7 +203,7 @@ async def test_idle_decode_stream_ends_with_an_error_event_within_the_idle_timeo
 ):
     p, d = await stubs(), await stubs(chunk_delay=5)
     config = make_config([p.url], [d.url], timeouts={"stream_idle_s": 0.3})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         started = time.monotonic()
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
         text, errors = await read_sse(resp)
@@ -220,7 +216,7 @@ async def test_decode_down_before_start_is_retried_on_another_decode(stubs):
     p, d = await stubs(), await stubs()
     down = f"http://127.0.0.1:{free_port()}"
     config = make_config([p.url], [down, d.url], retry={"backoff_base_s": 0})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for stream in (False, True, False, True):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
             assert resp.status == 200
@@ -231,7 +227,7 @@ async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
     d = await stubs()
     downs = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     config = make_config(downs, [d.url], timeouts={"connect_s": 1.0})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         started = time.monotonic()
         resp = await px.post("/v1/completions", COMPLETION)
         elapsed = time.monotonic() - started
@@ -245,7 +241,7 @@ async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
 
 async def test_backend_4xx_goes_back_unchanged_and_is_not_retried(stubs):
     p_bad, p_ok, d = await stubs("bad400"), await stubs(), await stubs()
-    async with run_proxy(make_config([p_bad.url, p_ok.url], [d.url])) as px:
+    async with running_proxy(make_config([p_bad.url, p_ok.url], [d.url])) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         body = await resp.json()
     assert resp.status == 400
@@ -256,7 +252,7 @@ async def test_backend_4xx_goes_back_unchanged_and_is_not_retried(stubs):
 
 async def test_decode_4xx_goes_back_unchanged_and_frees_the_prefill_kv(stubs):
     p, d = await stubs(), await stubs("bad400")
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
         assert resp.status == 400
         assert (await resp.json())["error"]["message"] == "bad prompt"
@@ -269,11 +265,11 @@ async def test_exhausted_retries_fail_with_503_saying_why(stubs):
     config = make_config(
         [p.url], [d.url], retry={"max_attempts": 2, "backoff_base_s": 0}
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         body = await resp.json()
     assert resp.status == 503
-    assert MARKER in body["error"]["message"]
+    assert INTEGRITY_MARKER in body["error"]["message"]
     assert len(d.requests) == 2
 
 
@@ -284,7 +280,7 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
         [d.url],
         retry={"max_attempts": 2, "backoff_base_s": 0, "on_exhausted": "decode_only"},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         assert resp.status == 200
         assert (await resp.json())["choices"][0]["text"] == expected_text(
@@ -295,7 +291,7 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
 
 async def test_client_disconnect_mid_stream_aborts_the_decode(stubs):
     p, d = await stubs(), await stubs(chunk_delay=0.2)
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         async with aiohttp.ClientSession() as client:
             resp = await client.post(
                 px.url + "/v1/completions",
@@ -317,7 +313,7 @@ async def test_client_disconnect_mid_stream_aborts_the_decode(stubs):
 
 async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
     p, d = await stubs(), await stubs("hang")
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         async with aiohttp.ClientSession() as client:
             task = asyncio.create_task(
                 client.post(
@@ -342,7 +338,7 @@ async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
 
 async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         reply = await resp.json()
     assert resp.headers["Content-Type"].startswith("application/json")
@@ -359,7 +355,7 @@ async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
 async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs):
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], retry={"non_stream_as_stream": False})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         assert resp.status == 200
     (sent,) = d.bodies()
@@ -375,7 +371,7 @@ async def test_non_stream_first_token_timeout_is_retried(stubs):
         retry={"backoff_base_s": 0},
         timeouts={"decode_first_token_s": 0.3, "total_s": 30},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for _ in range(2):
             started = time.monotonic()
             resp = await px.post("/v1/completions", COMPLETION)
@@ -386,3 +382,42 @@ async def test_non_stream_first_token_timeout_is_retried(stubs):
             assert time.monotonic() - started < 5
     await asyncio.sleep(0.1)
     assert len(d_hang.aborts) == len(d_hang.requests) >= 1
+
+
+async def test_each_attempt_is_logged_as_one_json_line_and_integrity_failures_kept(
+    stubs, caplog
+):
+    bad, good, d = await stubs("corrupt"), await stubs(), await stubs()
+    config = make_config([bad.url, good.url], [d.url], retry={"backoff_base_s": 0})
+    caplog.set_level("INFO", logger="kvguard.proxy.attempts")
+    async with running_proxy(config) as px:
+        for i in range(2):  # round robin: one of the two starts on the bad prefill
+            resp = await px.post(
+                "/v1/completions", COMPLETION, headers={"X-Request-Id": f"r{i}"}
+            )
+            assert resp.status == 200
+            await resp.read()
+        recent = list(px.state.recent_failures)
+    records = [
+        msgspec.json.decode(r.getMessage())
+        for r in caplog.records
+        if r.name == "kvguard.proxy.attempts"
+    ]
+    failed = [r for r in records if r["outcome"] == "kv_integrity"]
+    assert len(failed) == 1 and len(records) == 3
+    (fail,) = failed
+    retry = next(
+        r for r in records if r["attempt_id"] == fail["attempt_id"] + "-retry1"
+    )
+    assert fail["prefill"] == bad.url and retry["prefill"] == good.url
+    for record in (fail, retry):
+        assert record["decode"] == d.url
+        assert record["request_id"] == fail["request_id"]
+        assert record["route"] == "completions" and record["stream"] is False
+        assert record["kv_params"] is True
+        assert record["prefill_ms"] >= 0 and record["total_ms"] >= record["prefill_ms"]
+    assert (fail["attempt"], retry["attempt"]) == (0, 1)
+    assert INTEGRITY_MARKER in fail["error"] and fail["status"] == 200
+    assert retry["outcome"] == "ok" and "error" not in retry
+    # /status keeps the failed attempt's record.
+    assert [r["attempt_id"] for r in recent] == [fail["attempt_id"]]

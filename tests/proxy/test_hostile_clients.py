@@ -9,7 +9,9 @@ from collections.abc import Mapping
 import msgspec
 import pytest
 from multidict import CIMultiDict
-from proxy_helpers import make_config, run_proxy
+from proxy_helpers import make_config
+
+from proxy.testing import running_proxy
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
 
@@ -54,7 +56,7 @@ async def test_deeply_nested_json_is_a_400_in_openai_error_json(stubs):
     # A body the proxy can parse goes on, and these backends refuse it with 400;
     # around the interpreter's recursion limit either way must give a 400.
     p, d = await stubs("bad400"), await stubs("bad400")
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         for depth in (*range(900, 1001, 5), 2000, 100_000):
             nested = b"[" * depth + b"]" * depth
             for route, field in (
@@ -80,7 +82,7 @@ async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
     config = make_config(
         [p.url], [d.url], auth={"api_keys_env": "TEST_KEYS", "admin_key_env": "ADM"}
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         method = "GET" if path != "/v1/completions" else "POST"
         body = msgspec.json.encode(COMPLETION)
         raw = await raw_exchange(
@@ -139,7 +141,7 @@ async def test_every_error_the_proxy_writes_is_openai_json(
     stubs, name, request_bytes, status
 ):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         raw = await raw_exchange(px.url, request_bytes)
     got, headers, body = parse_reply(raw)
     assert got == status, (name, raw[:300])
@@ -157,7 +159,7 @@ async def test_clients_that_never_send_their_body_lock_nobody_out(stubs):
         limits={"max_in_flight": 2},
         timeouts={"request_body_s": 1.0},
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         host, port = px.url.removeprefix("http://").split(":")
         stalled = []
         for _ in range(8):

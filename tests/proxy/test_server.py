@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from proxy_helpers import expected_text, free_port, make_config, run_proxy
+from proxy_helpers import expected_text, make_config
+
+from proxy.testing import running_proxy
+from tests.support.ports import free_port
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
 
@@ -16,7 +19,7 @@ async def test_missing_or_wrong_api_key_is_401_and_the_right_one_passes(
     monkeypatch.setenv("TEST_KEYS", "k1,k2")
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], auth={"api_keys_env": "TEST_KEYS"})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
             resp = await px.post("/v1/completions", COMPLETION, headers=headers)
             assert resp.status == 401
@@ -35,7 +38,7 @@ async def test_keys_can_come_from_a_file(stubs, tmp_path):
     keys.write_text("# team a\nsecret-a\n\nsecret-b\n")
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], auth={"api_keys_file": str(keys)})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         ok = await px.post(
             "/v1/completions", COMPLETION, headers={"Authorization": "Bearer secret-b"}
         )
@@ -49,7 +52,7 @@ async def test_backend_key_is_sent_to_backends(stubs, monkeypatch):
     monkeypatch.setenv("BACKEND_KEY", "vllm-secret")
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], auth={"backend_api_key_env": "BACKEND_KEY"})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         await (await px.post("/v1/completions", COMPLETION)).read()
     for stub in (p, d):
         assert stub.requests[0][1]["Authorization"] == "Bearer vllm-secret"
@@ -57,7 +60,7 @@ async def test_backend_key_is_sent_to_backends(stubs, monkeypatch):
 
 async def test_malformed_body_is_400_in_openai_error_json(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         for path, body in (
             ("/v1/completions", b"{not json"),
             ("/v1/completions", b'{"max_tokens": 3}'),
@@ -74,7 +77,7 @@ async def test_oversized_body_is_413_with_or_without_content_length(stubs):
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], limits={"max_body_bytes": 2048})
     big = {"prompt": "x" * 4096}
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", big)
         assert resp.status == 413
 
@@ -95,7 +98,7 @@ async def test_requests_over_the_in_flight_limit_are_429(stubs):
     config = make_config(
         [p.url], [d.url], limits={"max_in_flight": 1}, timeouts={"total_s": 2}
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         first = asyncio.create_task(px.post("/v1/completions", COMPLETION))
         for _ in range(200):
             if d.requests:
@@ -108,7 +111,7 @@ async def test_requests_over_the_in_flight_limit_are_429(stubs):
 
 async def test_unknown_model_is_404(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url], model="m")) as px:
+    async with running_proxy(make_config([p.url], [d.url], model="m")) as px:
         resp = await px.post("/v1/completions", {**COMPLETION, "model": "other"})
         assert resp.status == 404
         resp = await px.post("/v1/completions", COMPLETION)  # no model: the only one
@@ -121,7 +124,7 @@ async def test_health_is_200_only_while_each_role_has_a_healthy_instance(stubs):
     config = make_config(
         [p.url, down], [d.url], health={"interval_s": 30, "unhealthy_threshold": 1}
     )
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         async with px.session.get(px.url + "/health") as resp:
             assert resp.status == 200
         d.mode = "unhealthy"
@@ -141,14 +144,17 @@ async def test_models_is_the_union_of_the_backends(stubs):
     while a.port % 2 == b.port % 2:  # stubs report m0 or m1 by port parity
         b = await stubs()
     config = make_config([a.url], [b.url], model="configured")
-    async with run_proxy(config) as px, px.session.get(px.url + "/v1/models") as resp:
+    async with (
+        running_proxy(config) as px,
+        px.session.get(px.url + "/v1/models") as resp,
+    ):
         ids = {m["id"] for m in (await resp.json())["data"]}
     assert ids == {"m0", "m1", "configured"}
 
 
 async def test_metrics_expose_the_documented_families(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         await (await px.post("/v1/completions", {**COMPLETION, "stream": True})).read()
         text = await px.metrics()
     for family in (
@@ -174,10 +180,10 @@ async def admin(px, method, path, key="adm", **kwargs):
 
 async def test_admin_api_requires_its_key(stubs, monkeypatch):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         assert (await admin(px, "GET", "/admin/instances"))[0] == 403  # not configured
     monkeypatch.setenv("ADM", "adm")
-    async with run_proxy(
+    async with running_proxy(
         make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
     ) as px:
         assert (await admin(px, "GET", "/admin/instances", key=None))[0] == 401
@@ -190,7 +196,7 @@ async def test_admin_drain_add_remove_steer_new_requests(stubs, monkeypatch):
     monkeypatch.setenv("ADM", "adm")
     p1, p2, d = await stubs(), await stubs(), await stubs()
     config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         status, _ = await admin(
             px, "POST", "/admin/instances", json={"role": "prefill", "url": p2.url}
         )
@@ -237,7 +243,7 @@ async def test_reload_adds_and_removes_instances_under_load_without_failures(
     write([p1.url])
     from proxy.config import load_config
 
-    async with run_proxy(load_config(path), source=str(path)) as px:
+    async with running_proxy(load_config(path), source=str(path)) as px:
         stop = asyncio.Event()
         statuses: list[tuple[int, str]] = []
 
@@ -268,7 +274,7 @@ async def test_a_bad_reload_keeps_the_running_configuration(stubs, tmp_path):
     p, d = await stubs(), await stubs()
     path = tmp_path / "proxy.yaml"
     path.write_text("models: {}\n")
-    async with run_proxy(make_config([p.url], [d.url]), source=str(path)) as px:
+    async with running_proxy(make_config([p.url], [d.url]), source=str(path)) as px:
         assert not await px.state.reload()
         resp = await px.post("/v1/completions", COMPLETION)
         assert resp.status == 200
@@ -278,7 +284,7 @@ async def test_a_bad_reload_keeps_the_running_configuration(stubs, tmp_path):
 
 async def test_ejected_instance_is_probed_back_after_its_cooldown(stubs):
     p, d = await stubs(), await stubs()
-    async with run_proxy(make_config([p.url], [d.url])) as px:
+    async with running_proxy(make_config([p.url], [d.url])) as px:
         inst = next(i for i in px.state.all_instances() if i.url == p.url)
         inst.ejected_until = time.monotonic() + 60
         await px.state.health.check_all()
@@ -296,7 +302,7 @@ async def test_metrics_can_be_put_behind_a_key(stubs, monkeypatch):
     monkeypatch.setenv("SCRAPE_KEY", "prom")
     p, d = await stubs(), await stubs()
     config = make_config([p.url], [d.url], auth={"metrics_key_env": "SCRAPE_KEY"})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for headers in ({}, {"Authorization": "Bearer nope"}):
             async with px.session.get(px.url + "/metrics", headers=headers) as resp:
                 assert resp.status == 401
@@ -315,7 +321,7 @@ async def test_admin_api_reads_only_backend_key_variables(stubs, monkeypatch):
     monkeypatch.setenv("KVGUARD_BACKEND_KEY_P2", "p2-secret")
     p1, p2, d = await stubs(), await stubs(), await stubs()
     config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
-    async with run_proxy(config) as px:
+    async with running_proxy(config) as px:
         for name in ("ADM", "HOME", "PATH", "KVGUARD_BACKEND_KEY_"):
             status, body = await admin(
                 px,

@@ -6,11 +6,9 @@ import random
 from collections import Counter
 
 import msgspec
-import prometheus_client
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
 
 from proxy.assemble import Assembler
 from proxy.body import (
@@ -25,7 +23,6 @@ from proxy.body import (
 from proxy.config import EjectionConfig
 from proxy.ejection import IntegrityTracker
 from proxy.instances import Instance, Pool
-from proxy.metrics import Histogram
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
 from proxy.sse import EventReader, First, FirstEventScanner
@@ -454,26 +451,6 @@ def test_event_reader_splits_events_however_the_bytes_are_cut(size):
 
 
 # ------------------------------------------------------------------- metrics
-
-
-def test_histogram_exposes_what_prometheus_clients_would():
-    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
-    buckets = (0.005, 0.01, 1, 2.5)
-    ours = Histogram("h_seconds", "doc", ["leg"], buckets, ours_registry)
-    theirs = prometheus_client.Histogram(
-        "h_seconds", "doc", ["leg"], buckets=buckets, registry=theirs_registry
-    )
-    for value in (0.0, 0.005, 0.0051, 1, 2.5, 3, 100, 0.2):
-        for h in (ours, theirs):
-            h.labels("decode").observe(value)
-    theirs.labels("prefill").observe(0.01)
-    ours.labels("prefill").observe(0.01)
-
-    def exposition(registry):
-        lines = generate_latest(registry).decode().splitlines()
-        return [line for line in lines if "_created" not in line]
-
-    assert exposition(ours_registry) == exposition(theirs_registry)
 
 
 def test_a_single_instance_pool_is_picked_while_usable_ejected_or_not():

@@ -1,0 +1,283 @@
+"""What outlives one request: the shared state every handler of the proxy reads.
+
+ProxyState holds the configuration, the pools, the one pooled ClientSession,
+the integrity tracker and metrics. A reload swaps configuration and pools in
+place; requests in flight keep the Instance objects they picked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Collection, Coroutine, Iterator
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from proxy.auth import Auth
+from proxy.config import (
+    ANY_MODEL,
+    ConfigError,
+    PoolConfig,
+    ProxyConfig,
+    Role,
+    load_config,
+    read_secret,
+)
+from proxy.discovery import Discovery
+from proxy.ejection import Ejection, IntegrityTracker
+from proxy.health import Health
+from proxy.instances import Instance, ModelPools, Pool
+from proxy.metrics import ProxyMetrics
+from proxy.routing import Router
+from proxy.upstream import Upstream
+
+log = logging.getLogger("kvguard.proxy")
+
+_encode_json = msgspec.json.Encoder().encode
+
+# How many KV integrity failures the proxy keeps for /status.
+RECENT_FAILURES = 50
+
+
+class ProxyState:
+    """Everything the handlers share; one per application."""
+
+    def __init__(self, config: ProxyConfig, source: str | None = None) -> None:
+        self.source = source
+        self.in_flight = 0  # client requests whose body has arrived
+        self.models: dict[str, ModelPools] = {}
+        self.metrics = ProxyMetrics(self.all_instances, lambda: self.in_flight)
+        self.tracker = IntegrityTracker(config.ejection)
+        self.router = Router(self.tracker)
+        self.health = Health(self)
+        self.discovery = Discovery(self)
+        # The last KV integrity failures (their attempt log entries), for /status.
+        self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
+        self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self.config = config
+        self.apply(config)
+
+    # ------------------------------------------------------------ configuration
+
+    def apply(self, config: ProxyConfig) -> None:
+        """Makes ``config`` current, keeping the state of instances it still lists.
+
+        Raises:
+            ConfigError: a key named in ``auth`` or an instance cannot be read;
+                nothing changes then.
+        """
+        auth = Auth.from_config(config.auth)
+        models: dict[str, ModelPools] = {}
+        old: dict[tuple[str, str, str], Instance] = {
+            (i.model, i.role, i.url): i for i in self.all_instances()
+        }
+        kept: set[Instance] = set()
+        for name, model in config.models.items():
+            models[name] = ModelPools(
+                self._pool(name, "prefill", model.prefill, auth, old, kept),
+                self._pool(name, "decode", model.decode, auth, old, kept),
+            )
+        for inst in old.values():
+            if inst not in kept:
+                inst.removed = True
+                self.tracker.forget(inst)
+        self.config = config
+        self.auth = auth
+        self.models = models
+        self.tracker.config = config.ejection
+        t = config.timeouts
+        self.prefill_timeout = aiohttp.ClientTimeout(
+            total=t.prefill_s, sock_connect=t.connect_s
+        )
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=t.connect_s
+        )
+        level = getattr(logging, config.logging.level.upper())
+        logging.getLogger("kvguard.proxy").setLevel(level)
+        self.discovery.wake()
+
+    @staticmethod
+    def _pool(
+        model: str,
+        role: Role,
+        cfg: PoolConfig,
+        auth: Auth,
+        old: dict[tuple[str, str, str], Instance],
+        kept: set[Instance],
+    ) -> Pool:
+        """A pool for ``cfg``, reusing the Instance objects already serving it."""
+        instances = []
+        for inst_cfg in cfg.instances:
+            keys = read_secret(
+                inst_cfg.api_key_env, inst_cfg.api_key_file, f"{inst_cfg.key} api key"
+            )
+            key = keys[0] if keys else auth.backend_key
+            if inst_cfg.url is None:
+                # A dns: entry keeps what discovery found; it resolves again now.
+                for found in old.values():
+                    if (found.model, found.role) == (model, role) and (
+                        found.discovered_by == inst_cfg.dns
+                    ):
+                        found.weight = inst_cfg.weight
+                        found.set_api_key(key)
+                        kept.add(found)
+                        instances.append(found)
+                continue
+            inst = old.get((model, role, inst_cfg.url))
+            if inst is None:
+                inst = Instance(inst_cfg.url, role, model, inst_cfg.weight, key)
+            else:
+                inst.weight = inst_cfg.weight
+                inst.set_api_key(key)
+                kept.add(inst)
+            instances.append(inst)
+        return Pool(role, cfg.policy, instances)
+
+    async def reload(self) -> bool:
+        """Re-reads the configuration file; keeps the old one on error."""
+        if self.source is None:
+            log.warning("reload requested, but the proxy was started without --config")
+            return False
+        try:
+            config = await asyncio.to_thread(load_config, self.source)
+            old_server = self.config.server
+            self.apply(config.model_copy(update={"server": old_server}))
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running configuration:\n%s", exc)
+            return False
+        if config.server != old_server:
+            log.warning("server.host/port changes need a restart; ignored on reload")
+        log.warning("configuration reloaded from %s", self.source)
+        return True
+
+    def remove_instances(self, gone: Collection[Instance]) -> None:
+        """Takes ``gone`` out of every pool; requests in flight on them finish."""
+        for pools in self.models.values():
+            for pool in (pools.prefill, pools.decode):
+                if any(i in gone for i in pool.instances):
+                    pool.instances = [i for i in pool.instances if i not in gone]
+        for inst in gone:
+            inst.removed = True
+            self.tracker.forget(inst)
+
+    def pools_for(self, model: str | None) -> ModelPools | None:
+        """The pools serving ``model``; with no model named, the only one configured."""
+        if model is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            return self.models.get(ANY_MODEL)
+        return self.models.get(model) or self.models.get(ANY_MODEL)
+
+    def all_instances(self) -> Iterator[Instance]:
+        for pools in self.models.values():
+            yield from pools.prefill.instances
+            yield from pools.decode.instances
+
+    def find(
+        self, url: str, role: str | None = None, model: str | None = None
+    ) -> list[Instance]:
+        return [
+            i
+            for i in self.all_instances()
+            if i.url == url
+            and (role is None or i.role == role)
+            and (model is None or i.model == model)
+        ]
+
+    # ---------------------------------------------------------- running parts
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy's client session is not started")
+        return self._session
+
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("the proxy's client session is not started")
+        return self._upstream
+
+    async def start(self, app: web.Application | None = None) -> None:
+        """Opens the pooled session and starts health checks.
+
+        ``timeouts.backend_keepalive_s`` is read here: a reload keeps the pool.
+        """
+        reconnects = self.metrics.reconnects
+        self._upstream = Upstream(
+            self.config.timeouts.backend_keepalive_s,
+            lambda role: reconnects.labels(role).inc(),
+        )
+        self._session = self._upstream.session
+        self._health_task = asyncio.create_task(self.health.run())
+        self._discovery_task = asyncio.create_task(self.discovery.run())
+
+    async def stop(self, app: web.Application | None = None) -> None:
+        """Stops health checks, lets background aborts finish, closes the session."""
+        for task in (self._health_task, self._discovery_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2)
+        if self._upstream is not None:
+            await self._upstream.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Runs ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def abort(self, inst: Instance, request_ids: list[str]) -> None:
+        """POST /inference/v1/abort_requests: frees a prefill's KV, stops a decode."""
+        try:
+            async with self.session.post(
+                inst.abort_url,
+                data=_encode_json({"request_ids": request_ids}),
+                headers=inst.headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=5, sock_connect=self.config.timeouts.connect_s
+                ),
+            ) as resp:
+                await resp.read()
+                if resp.status >= 300:
+                    log.debug("abort on %s answered %d", inst.url, resp.status)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.debug("abort on %s failed: %r", inst.url, exc)
+
+    def on_ejection(self, ejection: Ejection) -> None:
+        """Counts and logs an ejection decided by the integrity tracker."""
+        inst = ejection.instance
+        cooldown = self.config.ejection.cooldown_s
+        if ejection.partner is None:
+            self.metrics.ejections.labels(inst.role, inst.url, "instance").inc()
+            log.warning(
+                "%s %s ejected for %.0fs after %d KV integrity failures",
+                inst.role,
+                inst.url,
+                cooldown,
+                ejection.failures,
+            )
+        else:
+            partner = ejection.partner
+            self.metrics.ejections.labels(inst.role, inst.url, "pair").inc()
+            log.warning(
+                "pair prefill %s / decode %s ejected for %.0fs after %d KV integrity "
+                "failures",
+                inst.url,
+                partner.url,
+                cooldown,
+                ejection.failures,
+            )
+
+
+STATE = web.AppKey("kvguard_proxy_state", ProxyState)
