@@ -31,7 +31,8 @@ from engine_patch.kv_cache import (
     SlidingWindowSpec,
 )
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
-from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
+from engine_patch.scheduler import KVChecksumScheduler
+from engine_patch.verify import UnverifiedReason
 
 U64 = st.integers(0, 2**64 - 1)
 FINGERPRINTS = {0: 0xF00D, 1: 0xBEEF, 2: 0xCAFE}

@@ -37,8 +37,9 @@ from engine_patch.kv_cache import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
+from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumGroup, KVChecksumRecord
+from engine_patch.verify import UnverifiedReason
 
 R = UnverifiedReason
 CONFIG = KVCacheConfig(

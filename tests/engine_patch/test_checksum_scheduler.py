@@ -44,14 +44,14 @@ from engine_patch.kv_cache import (
     sliding_window_transfer_blocks,
 )
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
-from engine_patch.scheduler import (
-    KVChecksumScheduler,
-    UnverifiedReason,
-    _chunk_sums,
-    _sum_replicas,
-    _Unverified,
-)
+from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumGroup, KVChecksumRecord
+from engine_patch.verify import (
+    Unverified,
+    UnverifiedReason,
+    chunk_sums,
+    sum_replicas,
+)
 
 R = UnverifiedReason
 
@@ -938,7 +938,7 @@ def test_sum_replicas_builds_one_check_per_copy() -> None:
         KVChecksumGroup(0, [(2, 0), (1, 0)], np.stack([a0, b], axis=1)),
         KVChecksumGroup(0, [(2, 1)], a1[:, None]),
     ]
-    checks = _sum_replicas(groups, 1)
+    checks = sum_replicas(groups, 1)
     assert [c.tolist() for c in checks] == [[41], [42]]
 
 
@@ -953,8 +953,8 @@ def test_a_missing_replica_leaves_the_load_unverified() -> None:
 
 def test_sum_replicas_raises_for_a_missing_copy() -> None:
     groups = [KVChecksumGroup(0, [(3, 0), (3, 2)], np.zeros((1, 2), dtype=np.uint64))]
-    with pytest.raises(_Unverified) as e:
-        _sum_replicas(groups, 1)
+    with pytest.raises(Unverified) as e:
+        sum_replicas(groups, 1)
     assert e.value.reason == R.MISSING_REPLICA
     assert e.value.detail == "replica 1 of 3"
 
@@ -1575,7 +1575,7 @@ def test_a_load_from_sources_without_stored_checksums_is_not_checksummed() -> No
 def test_chunk_sums_of_small_blocks_equal_the_large_blocks() -> None:
     tokens = token_values(RNG, 70)
     small = block_sums(tokens, 16, 0, 5, 70)
-    first, sums = _chunk_sums(small, 0, 16, 32, 70)
+    first, sums = chunk_sums(small, 0, 16, 32, 70)
     assert first == 0
     np.testing.assert_array_equal(sums, block_sums(tokens, 32, 0, 3, 70))
 
@@ -1584,20 +1584,20 @@ def test_chunk_sums_leave_out_chunks_not_covered_whole() -> None:
     values = np.arange(1, 6, dtype=np.uint64)
     # Blocks 1..5 of 16 tokens of a 200-token request, chunks of 32: block 1
     # is half of chunk 0 and block 5 half of chunk 2; chunks 1..2 are whole.
-    first, sums = _chunk_sums(values, 1, 16, 32, 200)
+    first, sums = chunk_sums(values, 1, 16, 32, 200)
     assert first == 1
     assert sums.tolist() == [2 + 3, 4 + 5]
 
 
 def test_chunk_sums_with_a_huge_block_size_do_not_allocate_it() -> None:
-    first, sums = _chunk_sums(np.ones(3, dtype=np.uint64), 0, 16, 16 << 40, 40)
+    first, sums = chunk_sums(np.ones(3, dtype=np.uint64), 0, 16, 16 << 40, 40)
     assert (first, sums.tolist()) == (0, [3])
 
 
 def _reference_chunk_sums(
     values: np.ndarray, start: int, block_size: int, chunk_size: int, num_tokens: int
 ) -> tuple[int, np.ndarray]:
-    """The spec's ``_chunk_sums``: pads the last chunk with zero blocks."""
+    """The reference scheduler's chunk sums: it pads the last chunk with zero blocks."""
     blocks_per_chunk = chunk_size // block_size
     end = start + len(values)
     if end >= -(-num_tokens // block_size):
@@ -1626,7 +1626,7 @@ def test_chunk_sums_equal_the_specs_padded_sums(
 ) -> None:
     array = np.array(values, dtype=np.uint64)
     chunk_size = block_size * blocks_per_chunk
-    first, sums = _chunk_sums(array, start, block_size, chunk_size, num_tokens)
+    first, sums = chunk_sums(array, start, block_size, chunk_size, num_tokens)
     want_first, want = _reference_chunk_sums(
         array, start, block_size, chunk_size, num_tokens
     )

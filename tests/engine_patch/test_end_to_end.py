@@ -29,7 +29,7 @@ from pd_sim import (
 from engine_patch import log
 from engine_patch.host import FinishReason
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
-from engine_patch.scheduler import UnverifiedReason
+from engine_patch.verify import UnverifiedReason
 from engine_patch.worker import KVLayout
 
 R = UnverifiedReason

@@ -42,7 +42,7 @@ from engine_patch.payload import (
     KVChecksumPayload,
     decode_base64,
 )
-from engine_patch.scheduler import UnverifiedReason
+from engine_patch.verify import UnverifiedReason
 from engine_patch.worker import KVLayout, StateShard
 
 R = UnverifiedReason
