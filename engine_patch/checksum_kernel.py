@@ -1,4 +1,4 @@
-"""The arithmetic of checksum v1 (``checksum.md``) in torch: ``mix`` and the
+"""The arithmetic of checksum v1 (``docs/checksum.md``) in torch: ``mix`` and the
 weighted sums of gathered rows, eager or fused by ``torch.compile``.
 
 Both give the same bits: every operation is on int64, which wraps modulo

@@ -1,4 +1,4 @@
-"""Worker-side KV checksums (torch): the partial checksums of ``checksum.md``
+"""Worker-side KV checksums (torch): the partial checksums of ``docs/checksum.md``
 over the KV tensors (and state tensors) one TP rank of one PP stage holds.
 
 The host engine's worker (vLLM's worker-side connector, the fake engine's
@@ -173,8 +173,8 @@ class StateTensor:
 @dataclass(frozen=True)
 class KVStateLayer:
     """One state layer (Mamba) on this worker: a running state per request,
-    checksummed as one value at position 0 (``checksum.md``, "State
-    groups").
+    checksummed as one value at position 0 (``docs/checksum.md``, its state
+    groups).
 
     A state's 8-byte pieces are weighted by their offset in the unsharded
     state and ``S(index, s)`` for the state's number ``s`` in ``states``;
@@ -818,7 +818,8 @@ class KVChecksumWorker:
     ``layers`` are attention layers (:class:`KVLayer`) and state layers
     (:class:`KVStateLayer`); one group holds one kind. ``compile`` fuses the
     checksum into one pass over the KV with ``torch.compile`` (compiled on
-    first use, or by :meth:`warm_up`; same values); None asks
+    first use, or by :meth:`warm_up`; same values; its speed against eager is
+    what ``benchmarks/bench_checksum.py`` measures); None asks
     ``checksum_kernel.compile_default``. ``max_scratch_bytes`` bounds the
     memory one chunk of a pass uses (never less than one block of one
     layer).

@@ -1597,7 +1597,7 @@ def test_chunk_sums_with_a_huge_block_size_do_not_allocate_it() -> None:
 def _reference_chunk_sums(
     values: np.ndarray, start: int, block_size: int, chunk_size: int, num_tokens: int
 ) -> tuple[int, np.ndarray]:
-    """The reference scheduler's chunk sums: it pads the last chunk with zero blocks."""
+    """A plain reference of chunk sums: it pads the last chunk with zero blocks."""
     blocks_per_chunk = chunk_size // block_size
     end = start + len(values)
     if end >= -(-num_tokens // block_size):

@@ -1,4 +1,4 @@
-"""KVChecksumWorker computes checksum v1 of ``checksum.md``: it equals a slow
+"""KVChecksumWorker computes checksum v1 of ``docs/checksum.md``: it equals a slow
 reference on every layout and dtype, and its partials add up across TP
 shards, PP stages and block sizes."""
 

@@ -9,7 +9,7 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-# What a proxy adds to the prefill's body (wire.md).
+# What a proxy adds to the prefill's body (docs/wire.md).
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
