@@ -27,7 +27,6 @@ default); under fail-open they are logged and counted and proceed.
 from __future__ import annotations
 
 import base64
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +48,7 @@ from engine_patch.kv_cache import (
     clip_ssm_state_blocks,
     sliding_window_transfer_blocks,
 )
-from engine_patch.log import warning_once
+from engine_patch.log import get_logger, warning_once
 from engine_patch.payload import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumPayload,
@@ -69,7 +68,7 @@ from engine_patch.verify import (
 
 __all__ = ["KV_CHECKSUM_FAILURE_TEXT", "KVChecksumScheduler", "UnverifiedReason"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Finishes whose KV a producer sends; an aborted or failed request's is not.
 _SENT_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})

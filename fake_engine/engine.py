@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections import deque
@@ -35,6 +34,7 @@ from engine_patch.config import KVChecksumConfig
 from engine_patch.hashing import MASK64
 from engine_patch.host import CacheHitSource, FinishReason
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumRecord, KVChecksumScheduled
 from fake_engine.config import (
@@ -67,7 +67,7 @@ from fake_engine.transfer import (
 )
 from fake_engine.workers import TPWorker, layer_name
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SENT_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 

@@ -4,7 +4,6 @@ them), response and stream chunk bodies, and vLLM's error JSON."""
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
@@ -13,7 +12,9 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-logger = logging.getLogger(__name__)
+from engine_patch.log import get_logger
+
+logger = get_logger(__name__)
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1

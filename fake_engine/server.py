@@ -4,7 +4,6 @@ pull route consumers read a producer's blocks through."""
 
 from __future__ import annotations
 
-import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,6 +14,7 @@ import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine_patch.log import get_logger
 from fake_engine.config import FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError, PullError
 from fake_engine.protocol import (
@@ -45,7 +45,7 @@ from fake_engine.tokenizer import (
 )
 from fake_engine.transfer import PULL_PATH, TransferError, decode_pull_request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _json = msgspec.json.Encoder()
 _BYTE_POSITION = re.compile(r"byte (\d+)")

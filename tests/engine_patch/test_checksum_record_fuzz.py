@@ -206,7 +206,7 @@ def test_a_malformed_record_leaves_the_load_unverified(
     load = clean_load()
     records: list[Any] = copy.deepcopy(load.records)
     MALFORMED[case](records)
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         failed = load.finish(records)
     assert failed == {"c"}
     assert outcome(load.scheduler) in {

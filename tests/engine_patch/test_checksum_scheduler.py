@@ -401,7 +401,7 @@ def test_producer_missing_a_workers_report_sends_no_checksums(
     )
     records = producer.workers.report("p", values, ranks=[(0, 1)])
     scheduler.update_from_output(FakeConnectorOutput(records), set())
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         assert producer.finish(req) is None
     assert scheduler.stats.not_sent == {R.INCOMPLETE: 1}
     assert f"KV checksums not sent: {R.INCOMPLETE}." in caplog.messages
@@ -582,7 +582,7 @@ def test_a_corrupted_load_fails_with_its_block_positions(
     )
     consumer = Consumer(kv_config(full(consumer_bs)))
     req = consumer_request("c", num_tokens, {KV_TRANSFER_PARAMS_KEY: encoded})
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         failed = consumer.load(
             req,
             FakeBlocks.of(list(range(10, 10 + -(-num_tokens // consumer_bs)))),
@@ -604,7 +604,7 @@ def test_fail_open_logs_and_counts_a_mismatch_but_lets_the_load_proceed(
     encoded = producer.send(40, FakeBlocks.of([1, 2, 3]), tokens)
     consumer = Consumer(kv_config(full()), fail_closed=False)
     req = consumer_request("c", 40, {KV_TRANSFER_PARAMS_KEY: encoded})
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         failed = consumer.load(
             req, FakeBlocks.of([4, 5, 6]), {0: corrupt(tokens[0], 0)}
         )
@@ -701,7 +701,7 @@ def test_loaded_tokens_past_the_payload_are_unverified_naming_the_range(
     # Checksums of 40 tokens, a load of 70 corrupted at token 60: block 2
     # holds 8 tokens on the producer, 16 on the consumer; blocks 3 and 4
     # have no producer checksum. Tokens 32..69 are not compared.
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         consumer = load_of_other_length(40, 70, bad_token=60, fail_closed=fail_closed)
     assert consumer.failed == ({"c"} if fail_closed else set())  # type: ignore[attr-defined]
     assert consumer.stats.verified == consumer.stats.mismatch == 0
@@ -741,7 +741,7 @@ def test_a_sliding_window_the_payload_covers_in_part_is_unverified(
     )
     consumer = Consumer(kv_config(consumer_spec))
     req = consumer_request("c", 100, {KV_TRANSFER_PARAMS_KEY: encoded})
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         failed = consumer.load(
             req, FakeBlocks.of(window_blocks(consumer_spec, 100, 1)), tokens
         )
@@ -792,7 +792,7 @@ def test_a_prefix_hit_verifies_only_the_loaded_blocks() -> None:
 def test_a_corrupted_block_after_a_prefix_hit_is_found(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         consumer, failed = p2p_load(
             kv_config(full()),
             kv_config(full(32)),
@@ -1280,7 +1280,7 @@ def test_an_unverified_load_fails_only_when_fail_closed(
     case: str, fail_closed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     kwargs, reason = UNVERIFIED_CASES[case]
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         consumer = load_with_payload(fail_closed=fail_closed, **kwargs)  # type: ignore[arg-type]
     assert consumer.failed == ({"c"} if fail_closed else set())  # type: ignore[attr-defined]
     assert consumer.stats.unverified == {reason: 1}
@@ -1326,7 +1326,7 @@ def test_an_unverified_reason_is_warned_once_and_detailed_per_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     consumer = Consumer(kv_config(full()))
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         for i in range(3):
             req = consumer_request(f"c{i}", 16)
             consumer.load(req, FakeBlocks.of([1]), {0: token_values(RNG, 16)})

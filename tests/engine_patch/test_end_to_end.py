@@ -169,7 +169,7 @@ def test_a_corrupted_load_fails_under_fail_closed(
 ) -> None:
     producer, consumer = engines(consumer=(2, 1))
     t = transfer(producer, consumer, 50)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=flip(0, 2, 20, 1, 9, 4)) == {"req"}
     assert consumer.scheduler.stats.mismatch == 1
     assert "request req: group 0 block positions [1]" in caplog.text
@@ -180,7 +180,7 @@ def test_a_corrupted_load_is_logged_but_used_under_fail_open(
 ) -> None:
     producer, consumer = engines(consumer_bs=32, fail_closed=False)
     t = transfer(producer, consumer, 50)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=flip(0, 0, 40, 0, 0, 0)) == set()
     assert consumer.scheduler.stats.mismatch == 1
     assert "group 0 block positions [1]" in caplog.text

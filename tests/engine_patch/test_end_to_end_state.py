@@ -350,7 +350,7 @@ def test_a_corrupted_state_is_logged_used_and_kept_from_reuse_under_fail_open(
 ) -> None:
     producer, consumer = hybrid_engines("TP 1->2, 16->32", fail_closed=False)
     t = transfer(producer, consumer, NUM_TOKENS, seed=6)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=_flip_conv(17)) == set()
     assert consumer.scheduler.stats.mismatch == 1
     assert "group 1 block positions [0] (fail-open: the load is used)" in caplog.text
