@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine_patch.log import get_logger
 from fake_engine.config import FaultConfig, FaultKind, FaultSide
-from fake_engine.engine import Engine, EngineStoppedError, PullError
+from fake_engine.engine import Engine, EngineStoppedError
 from fake_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +43,12 @@ from fake_engine.tokenizer import (
     decode,
     encode,
 )
-from fake_engine.transfer import PULL_PATH, TransferError, decode_pull_request
+from fake_engine.transfer import (
+    PULL_PATH,
+    PullError,
+    TransferError,
+    decode_pull_request,
+)
 
 logger = get_logger(__name__)
 
