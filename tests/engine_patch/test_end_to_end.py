@@ -26,7 +26,6 @@ from pd_sim import (
     transfer,
 )
 
-from engine_patch import log
 from engine_patch.host import FinishReason
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
 from engine_patch.verify import UnverifiedReason
@@ -44,11 +43,6 @@ PAIRINGS = {
     "(1,2)->(1,1)": ((1, 2), (1, 1)),
     "(1,1)->(2,2)": ((1, 1), (2, 2)),
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "_warned", set())
 
 
 def engines(

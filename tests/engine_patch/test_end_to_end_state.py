@@ -36,7 +36,6 @@ from test_end_to_end import (
     engines,
 )
 
-from engine_patch import log
 from engine_patch.payload import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumPayload,
@@ -58,11 +57,6 @@ X = SHAPE.num_heads * SHAPE.head_dim
 BC = SHAPE.n_groups * SHAPE.d_state
 NUM_TOKENS = 50
 OTHER_KV = HYBRID.random_kv(99, NUM_TOKENS)
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "_warned", set())
 
 
 def conv(kv: KV, layer: int) -> np.ndarray:

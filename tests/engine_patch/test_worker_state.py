@@ -271,7 +271,7 @@ def test_a_corrupted_piece_of_any_state_is_detected(tp: int) -> None:
                 position = offset + offset // 8 % 8
                 if position >= len(block):
                     position = offset
-                saved = block[position].item()
+                saved = int(block[position].item())
                 block[position] = saved ^ 0x80
                 value = int(state_values(worker, {"r": 2})["r"][0, 0])
                 block[position] = saved
