@@ -16,6 +16,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from pd_models import (
+    HYBRID,
+    HYBRID_REPLICATED,
+    HYBRID_SLIDING,
+    HYBRID_UNKNOWN_SPLIT,
+    engines,
+)
 from pd_sim import (
     KV,
     GroupShape,
@@ -27,13 +34,6 @@ from pd_sim import (
     load_together,
     transfer,
     transfers_together,
-)
-from test_end_to_end import (
-    HYBRID,
-    HYBRID_REPLICATED,
-    HYBRID_SLIDING,
-    HYBRID_UNKNOWN_SPLIT,
-    engines,
 )
 
 from engine_patch.payload import (

@@ -15,7 +15,9 @@ from kv_host_fakes import (
     producer_request,
 )
 from scheduler_harness import full, kv_config, make_scheduler
-from test_worker import random_tensor
+from worker_helpers import (
+    random_tensor,
+)
 
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
 from engine_patch.scheduler import KVChecksumScheduler
