@@ -173,8 +173,8 @@ class StateTensor:
 @dataclass(frozen=True)
 class KVStateLayer:
     """One state layer (Mamba) on this worker: a running state per request,
-    checksummed as one value at position 0 (``docs/checksum.md``, its state
-    groups).
+    checksummed as one value at position 0 (``docs/checksum.md``, "State
+    groups (Mamba)").
 
     A state's 8-byte pieces are weighted by their offset in the unsharded
     state and ``S(index, s)`` for the state's number ``s`` in ``states``;

@@ -100,7 +100,7 @@ def checksums(
 
 
 def state_checksum(index: int, states: Sequence[torch.Tensor]) -> int:
-    """``c(g, 0)`` of one state layer (``docs/checksum.md``, state groups), from
+    """``c(g, 0)`` of one state layer (``docs/checksum.md``, "State groups"), from
     its unsharded states (one block's): Σ S(index, s)·A(0)·Q(p)·mix(x) over
     each state ``s``'s 8-byte pieces ``p``, zero-padded at its end."""
     total = 0
