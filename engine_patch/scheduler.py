@@ -32,9 +32,9 @@ from typing import Any
 
 from engine_patch.config import KVChecksumConfig
 from engine_patch.host import (
+    KV_SENT_FINISH_REASONS,
     Block,
     CacheHitSource,
-    FinishReason,
     KVCacheBlocks,
     KVCacheManager,
     KVChecksumConnector,
@@ -69,9 +69,6 @@ from engine_patch.verify import (
 __all__ = ["KV_CHECKSUM_FAILURE_TEXT", "KVChecksumScheduler", "UnverifiedReason"]
 
 logger = get_logger(__name__)
-
-# Finishes whose KV a producer sends; an aborted or failed request's is not.
-_SENT_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
 
 class KVChecksumScheduler:
@@ -360,7 +357,7 @@ class KVChecksumScheduler:
         if (
             pending is None
             # Aborted or failed: its KV is not sent.
-            or request.get_finished_reason() not in _SENT_FINISH_REASONS
+            or request.get_finished_reason() not in KV_SENT_FINISH_REASONS
             or (payload := self._payload(req_id, pending)) is None
         ):
             return

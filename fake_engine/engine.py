@@ -33,7 +33,7 @@ import torch
 
 from engine_patch.config import KVChecksumConfig
 from engine_patch.hashing import MASK64
-from engine_patch.host import CacheHitSource, FinishReason
+from engine_patch.host import KV_SENT_FINISH_REASONS, CacheHitSource, FinishReason
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
@@ -67,8 +67,6 @@ from fake_engine.transfer import (
 from fake_engine.workers import TPWorker, layer_name
 
 logger = get_logger(__name__)
-
-_SENT_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class EngineStoppedError(RuntimeError):
@@ -572,7 +570,7 @@ class Engine:
         if (pull := self._pulls.pop(req_id, None)) is not None:
             pull.cancel()
         params = None
-        if request.is_producer and reason in _SENT_FINISH_REASONS:
+        if request.is_producer and reason in KV_SENT_FINISH_REASONS:
             params = self._producer_params(request)
         if self.checksums is not None:
             self.checksums.request_finished(request, params)
