@@ -1,4 +1,4 @@
-"""The arithmetic of checksum v1 (``checksum.md``) in torch: ``mix`` and the
+"""The arithmetic of checksum v1 (``docs/checksum.md``) in torch: ``mix`` and the
 weighted sums of gathered rows, eager or fused by ``torch.compile``.
 
 Both give the same bits: every operation is on int64, which wraps modulo
@@ -21,7 +21,6 @@ its compiled code, by :func:`set_cache_dir` (``KVGUARD_CHECKSUM_CACHE_DIR``).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -30,8 +29,9 @@ from typing import Any
 import torch
 
 from engine_patch.hashing import MIX_C1, MIX_C2
+from engine_patch.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # "1" turns the fused (torch.compile) kernel on, "0" off, where the caller
 # leaves it open.

@@ -1,4 +1,4 @@
-"""The fixed constants of checksum v1 (``checksum.md``): weights, the
+"""The fixed constants of checksum v1 (``docs/checksum.md``): weights, the
 ``mix`` bijection, layer fingerprints and offload tags.
 
 Plain Python and NumPy, so the scheduler needs no torch; the worker builds

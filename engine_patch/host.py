@@ -21,6 +21,11 @@ class FinishReason(enum.IntEnum):
     ERROR = 3
 
 
+# Finishes whose KV a producer sends (NixlConnector's request_finished); an
+# aborted or failed request's is not.
+KV_SENT_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})
+
+
 class CacheHitSource(enum.Enum):
     """Where a connector loads a request's external cache hit from."""
 

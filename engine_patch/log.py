@@ -1,4 +1,5 @@
-"""Logging helpers for engine_patch: warnings logged once per process."""
+"""Logging helpers for engine_patch and the fake engine: loggers under
+``kvguard.``, and warnings logged once per process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import threading
 _lock = threading.Lock()
 # (logger name, formatted message) of the warnings already logged.
 _warned: set[tuple[str, str]] = set()
+
+
+def get_logger(module_name: str) -> logging.Logger:
+    """The logger of a module, ``kvguard.`` + its name (``__name__``), so that
+    configuring ``logging.getLogger("kvguard")`` configures all of KVGuard's
+    (the proxy's loggers are ``kvguard.proxy...``)."""
+    return logging.getLogger("kvguard." + module_name)
 
 
 def warning_once(logger: logging.Logger, msg: str, *args: object) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 # The kv_transfer_params key carrying the base64 payload.
 KV_TRANSFER_PARAMS_KEY = "kv_checksums"
 
-# Version 1: the checksum of checksum.md.
+# Version 1: the checksum of docs/checksum.md.
 _PAYLOAD_VERSION = 1
 
 _MsgType = tuple[int, int, int, list[tuple[int, int, int, int, memoryview]]]

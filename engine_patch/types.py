@@ -2,7 +2,7 @@
 
 The scheduler sends each step a :class:`KVChecksumScheduled` (the blocks to
 checksum); every worker answers with a :class:`KVChecksumRecord` (its partial
-checksums, see ``checksum.md``), which the scheduler sums and compares.
+checksums, see ``docs/checksum.md``), which the scheduler sums and compares.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class KVChecksumRecord:
     ``skipped_groups``: groups this worker cannot checksum (e.g. cells that
     are not a whole number of 8-byte pieces).
     ``fingerprints``: per group id, the identity of its layers on this
-    worker (``checksum.md``).
+    worker (``docs/checksum.md``).
     ``received``: producer payloads the connector received with a load, per
     request id, for connectors that send checksums in their own messages.
     """

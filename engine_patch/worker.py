@@ -1,4 +1,4 @@
-"""Worker-side KV checksums (torch): the partial checksums of ``checksum.md``
+"""Worker-side KV checksums (torch): the partial checksums of ``docs/checksum.md``
 over the KV tensors (and state tensors) one TP rank of one PP stage holds.
 
 The host engine's worker (vLLM's worker-side connector, the fake engine's
@@ -26,7 +26,6 @@ on the current stream, copied to pinned host memory on a side stream, and
 from __future__ import annotations
 
 import enum
-import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from engine_patch.hashing import (
     position_weights,
 )
 from engine_patch.kv_cache import cdiv, checksum_tokens
+from engine_patch.log import get_logger
 from engine_patch.types import (
     KVChecksumBlocks,
     KVChecksumGroup,
@@ -52,7 +52,7 @@ from engine_patch.types import (
     ReplicaKey,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Eager kernels on a CPU gather this many bytes per pass, so that their
 # dozen passes over it stay in the core's cache.
@@ -173,8 +173,8 @@ class StateTensor:
 @dataclass(frozen=True)
 class KVStateLayer:
     """One state layer (Mamba) on this worker: a running state per request,
-    checksummed as one value at position 0 (``checksum.md``, "State
-    groups").
+    checksummed as one value at position 0 (``docs/checksum.md``, "State
+    groups (Mamba)").
 
     A state's 8-byte pieces are weighted by their offset in the unsharded
     state and ``S(index, s)`` for the state's number ``s`` in ``states``;
@@ -818,7 +818,8 @@ class KVChecksumWorker:
     ``layers`` are attention layers (:class:`KVLayer`) and state layers
     (:class:`KVStateLayer`); one group holds one kind. ``compile`` fuses the
     checksum into one pass over the KV with ``torch.compile`` (compiled on
-    first use, or by :meth:`warm_up`; same values); None asks
+    first use, or by :meth:`warm_up`; same values; its speed against eager is
+    what ``benchmarks/bench_checksum.py`` measures); None asks
     ``checksum_kernel.compile_default``. ``max_scratch_bytes`` bounds the
     memory one chunk of a pass uses (never less than one block of one
     layer).
@@ -1378,12 +1379,13 @@ class KVChecksumWorker:
             self._batches.append(_Batch(computed, values.cpu()))
             return
         host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+        # torch.cuda's Stream and Event constructors carry no annotations.
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self._device)
+            self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         self._batches.append(_Batch(computed, host, event, values))

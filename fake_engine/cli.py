@@ -10,6 +10,7 @@ import signal
 
 import torch
 
+from engine_patch.log import get_logger
 from fake_engine.config import (
     DTYPES,
     EngineConfig,
@@ -22,7 +23,7 @@ from fake_engine.config import (
 from fake_engine.engine import Engine
 from fake_engine.server import EngineServer
 
-logger = logging.getLogger("fake_engine")
+logger = get_logger("fake_engine")
 
 
 def _on_off(value: str) -> bool:

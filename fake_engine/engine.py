@@ -12,15 +12,16 @@ KV load failure policy handles → outputs, finished requests
 ``kv_transfer_params``).
 
 A producer's finished request keeps its blocks until its consumer pulls
-them, it is aborted, or its lease ends. Model compute runs in one worker
-thread per engine, so HTTP keeps being served during a step.
+them, it is aborted, or its lease ends. The transfers themselves (the pull's
+HTTP and wire format, the leases) are :mod:`fake_engine.transfer`. Model
+compute runs in one worker thread per engine, so HTTP keeps being served
+during a step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections import deque
@@ -28,13 +29,13 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import aiohttp
 import torch
 
 from engine_patch.config import KVChecksumConfig
 from engine_patch.hashing import MASK64
-from engine_patch.host import CacheHitSource, FinishReason
+from engine_patch.host import KV_SENT_FINISH_REASONS, CacheHitSource, FinishReason
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumRecord, KVChecksumScheduled
 from fake_engine.config import (
@@ -56,32 +57,20 @@ from fake_engine.request import (
     RequestStatus,
 )
 from fake_engine.transfer import (
-    PULL_CONTENT_TYPE,
-    PULL_PATH,
     KVHeader,
+    KVPuller,
+    Leases,
     PullRequest,
     TransferError,
-    decode_kv,
     encode_kv,
-    encode_pull_request,
 )
 from fake_engine.workers import TPWorker, layer_name
 
-logger = logging.getLogger(__name__)
-
-_SENT_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
+logger = get_logger(__name__)
 
 
 class EngineStoppedError(RuntimeError):
     """The engine no longer takes requests."""
-
-
-class PullError(Exception):
-    """A pull the producer refuses, with the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class _PDConnector:
@@ -117,15 +106,6 @@ class _ConnectorOutput:
 @dataclass
 class _LoadResult:
     error: str | None = None
-
-
-@dataclass
-class _Held:
-    """A finished producer request's KV, kept for its consumer."""
-
-    request: EngineRequest
-    expiry: float
-    pulling: bool = False
 
 
 @dataclass
@@ -211,20 +191,17 @@ class Engine:
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._finished_loads: dict[str, _LoadResult] = {}
         self._finished_req_ids: set[str] = set()
-        self._held: dict[str, _Held] = {}
+        self._leases = Leases(config.lease_s)
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fake-engine")
-        self._session: aiohttp.ClientSession | None = None
+        self._puller = KVPuller()
         self._tasks: list[asyncio.Task[None]] = []
 
     # Life cycle.
 
     async def start(self) -> None:
-        # No overall timeout: a transfer that hangs hangs, as a NIXL read can;
-        # the request's client or an abort ends it.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        await self._puller.start()
         self._tasks = [
             asyncio.create_task(self._step_loop(), name="fake-engine-steps"),
             asyncio.create_task(self._lease_loop(), name="fake-engine-leases"),
@@ -242,8 +219,7 @@ class Engine:
                 await task
         for request in list(self._requests.values()):
             self._finish(request, FinishReason.ABORT)
-        if self._session is not None:
-            await self._session.close()
+        await self._puller.close()
         self._executor.shutdown(wait=True)
 
     @property
@@ -309,7 +285,7 @@ class Engine:
             req_id = self._aliases.get(alias, alias)
             if (request := self._requests.get(req_id)) is not None:
                 self._finish(request, FinishReason.ABORT)
-            elif req_id in self._held:
+            elif req_id in self._leases:
                 self._release(req_id, "aborted")
             else:
                 continue
@@ -323,7 +299,7 @@ class Engine:
     # Metrics.
 
     def blocks_held(self) -> int:
-        return sum(self.kv.num_blocks(req_id) for req_id in self._held)
+        return sum(self.kv.num_blocks(req_id) for req_id in self._leases)
 
     def snapshot(self) -> EngineSnapshot:
         snap = EngineSnapshot(
@@ -594,12 +570,12 @@ class Engine:
         if (pull := self._pulls.pop(req_id, None)) is not None:
             pull.cancel()
         params = None
-        if request.is_producer and reason in _SENT_FINISH_REASONS:
+        if request.is_producer and reason in KV_SENT_FINISH_REASONS:
             params = self._producer_params(request)
         if self.checksums is not None:
             self.checksums.request_finished(request, params)
         if params is not None:
-            self._held[req_id] = _Held(request, time.monotonic() + self.config.lease_s)
+            self._leases.hold(request)
         else:
             self.kv.free(req_id)
             self._drop_aliases(request)
@@ -672,30 +648,18 @@ class Engine:
         )
 
     async def _pull(self, request: EngineRequest) -> None:
-        """The NIXL read's stand-in: fetch the producer's blocks over HTTP,
-        land them, and report the load finished (or failed) to the next
-        step. The step that started the load has told the workers of it
-        first: the landing queues behind it in the engine's thread."""
+        """The NIXL read's stand-in: fetch the producer's blocks
+        (``transfer.KVPuller``), land them, and report the load finished (or
+        failed) to the next step. The step that started the load has told the
+        workers of it first: the landing queues behind it in the engine's
+        thread."""
         req_id = request.request_id
         source = request.remote
-        assert source is not None and self._session is not None
+        assert source is not None
         fault = self.faults.draw(FaultSide.CONSUMER)
         result = _LoadResult()
         try:
-            body = encode_pull_request(
-                PullRequest(source.engine_id, source.request_id, source.block_ids)
-            )
-            url = f"http://{source.host}:{source.port}{PULL_PATH}"
-            async with self._session.post(
-                url, data=body, headers={"Content-Type": PULL_CONTENT_TYPE}
-            ) as response:
-                if response.status != 200:
-                    text = (await response.text())[:500]
-                    raise TransferError(
-                        f"the producer answered the pull with {response.status}: {text}"
-                    )
-                data = bytearray(await response.read())
-            header, kv = decode_kv(data, self._kv_header("", 0, 0, 0))
+            header, kv = await self._puller.pull(source, self._kv_header("", 0, 0, 0))
             if header.num_tokens < request.num_prompt_tokens:
                 raise TransferError(
                     f"the producer holds KV of {header.num_tokens} tokens, "
@@ -711,7 +675,7 @@ class Engine:
             await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._land, request, kv, slots, fault, stale
             )
-        except (aiohttp.ClientError, TransferError, OSError) as e:
+        except (TransferError, OSError) as e:
             result.error = f"KV transfer failed: {e}"
         self._pulls.pop(req_id, None)
         if self._loading.get(req_id) is request:
@@ -758,32 +722,17 @@ class Engine:
         """The KV of a held request's blocks, and drop it.
 
         Raises:
-            PullError: If no such KV is held.
+            PullError: If the pull is refused (``Leases.claim``), or the
+                KV was dropped while the pull waited.
 
         """
-        if pull.engine_id != self.engine_id:
-            raise PullError(
-                409, f"this is engine {self.engine_id}, not {pull.engine_id}"
-            )
-        held = self._held.get(pull.request_id)
-        if held is None:
-            raise PullError(
-                404,
-                f"no KV held for request {pull.request_id}: never held, "
-                "pulled already, aborted, or its lease expired",
-            )
-        if held.pulling:
-            raise PullError(409, f"the KV of request {pull.request_id} is being pulled")
         block_ids = self.kv.block_ids(pull.request_id)
+        held = self._leases.claim(pull, self.engine_id, block_ids)
         wanted = pull.block_ids[0]
-        if len(pull.block_ids) != 1 or not set(wanted) <= set(block_ids):
-            raise PullError(400, f"request {pull.request_id} holds other blocks")
-        held.pulling = True
         try:
             fault = self.faults.draw(FaultSide.PRODUCER)
             await self._delay(fault)
-            if self._held.get(pull.request_id) is not held:
-                raise PullError(410, f"the KV of request {pull.request_id} was dropped")
+            self._leases.check_held(held)
             request = held.request
             stale = self.kv.pool.recently_freed(set(block_ids))
             kv = await asyncio.get_running_loop().run_in_executor(
@@ -869,7 +818,7 @@ class Engine:
 
     def _release(self, req_id: str, why: str) -> None:
         """Drop KV held for a remote decode."""
-        held = self._held.pop(req_id, None)
+        held = self._leases.drop(req_id)
         if held is None:
             return
         count = self.kv.free(req_id)
@@ -879,15 +828,11 @@ class Engine:
         logger.debug("Released %d KV blocks of request %s: %s.", count, req_id, why)
 
     async def _lease_loop(self) -> None:
-        interval = min(1.0, self.config.lease_s / 4)
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            for req_id, held in list(self._held.items()):
-                if held.expiry <= now:
-                    logger.warning(
-                        "The lease of request %s's KV expired before its "
-                        "consumer pulled it.",
-                        req_id,
-                    )
-                    self._release(req_id, "lease expired")
+        await self._leases.expire(self._lease_expired)
+
+    def _lease_expired(self, req_id: str) -> None:
+        logger.warning(
+            "The lease of request %s's KV expired before its consumer pulled it.",
+            req_id,
+        )
+        self._release(req_id, "lease expired")

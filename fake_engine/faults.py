@@ -10,7 +10,6 @@ never used.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -19,9 +18,10 @@ from typing import NamedTuple
 import torch
 
 from engine_patch.kv_cache import cdiv
+from engine_patch.log import get_logger
 from fake_engine.config import FaultConfig, FaultKind, FaultSide
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # KV of ``count`` tokens of an earlier request: [count, layers, heads, 2, head_size].
 StaleSource = Callable[[int], torch.Tensor]

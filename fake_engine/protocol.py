@@ -4,16 +4,18 @@ them), response and stream chunk bodies, and vLLM's error JSON."""
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-logger = logging.getLogger(__name__)
+from engine_patch.log import get_logger
+
+logger = get_logger(__name__)
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -361,201 +363,160 @@ def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def completion_response(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    prompt_token_ids: list[int],
-    token_ids: list[int],
-    return_token_ids: bool,
-    kv_transfer_params: dict[str, Any] | None,
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "token_ids": token_ids if return_token_ids else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": prompt_token_ids if return_token_ids else None,
-                "routed_experts": None,
+@dataclass(frozen=True)
+class ResponseBuilder:
+    """Every body of one request's answer as vLLM's ``/v1/completions``
+    (``chat=False``) or ``/v1/chat/completions`` (``chat=True``) writes it:
+    the whole response, or a stream's chunks. vLLM's schema lives here only.
+
+    ``echo`` (completions) is the prompt's text, put before the answer's.
+    ``continuous_usage`` puts usage in every chunk, ``include_usage`` a usage
+    chunk at the end (``stream_options``).
+    """
+
+    chat: bool
+    response_id: str
+    model: str
+    prompt_token_ids: list[int]
+    return_token_ids: bool = False
+    continuous_usage: bool = False
+    include_usage: bool = False
+    echo: str = ""
+    # A stream's chunks all carry the time it started.
+    created: int = field(default_factory=now)
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _head(self, obj: str, created: int) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": obj,
+            "created": created,
+            "model": self.model,
+        }
+
+    def _stream_usage(self, num_output: int) -> dict[str, Any] | None:
+        if not self.continuous_usage:
+            return None
+        return stream_usage(len(self.prompt_token_ids), num_output)
+
+    def response(
+        self,
+        *,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        token_ids: list[int],
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The whole (non-streamed) response, created now."""
+        ids = self.return_token_ids
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
             }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage(len(prompt_token_ids), len(token_ids)),
-        "kv_transfer_params": kv_transfer_params,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+            choice["logprobs"] = None
+        else:
+            choice["text"] = self.echo + text
+            choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        choice["stop_reason"] = stop_reason
+        choice["token_ids"] = token_ids if ids else None
+        if not self.chat:
+            choice["prompt_logprobs"] = None
+            choice["prompt_token_ids"] = self.prompt_token_ids if ids else None
+        choice["routed_experts"] = None
+        body = self._head(self._object, now())
+        body["choices"] = [choice]
+        body["service_tier"] = None
+        body["system_fingerprint"] = None
+        body["usage"] = usage(len(self.prompt_token_ids), len(token_ids))
+        if self.chat:
+            body["prompt_logprobs"] = None
+            body["prompt_token_ids"] = self.prompt_token_ids if ids else None
+            body["prompt_text"] = None
+        body["kv_transfer_params"] = kv_transfer_params
+        body["ec_transfer_params"] = None
+        body["metrics"] = None
+        return body
 
-
-def completion_chunk(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    prompt_token_ids: list[int] | None,
-    token_ids: list[int] | None,
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "prompt_token_ids": prompt_token_ids,
-                "token_ids": token_ids,
-            }
-        ],
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
-
-
-def usage_chunk(
-    *, response_id: str, created: int, model: str, obj: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
-
-
-def chat_response(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    prompt_token_ids: list[int],
-    token_ids: list[int],
-    return_token_ids: bool,
-    kv_transfer_params: dict[str, Any] | None,
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "token_ids": token_ids if return_token_ids else None,
-                "routed_experts": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage(len(prompt_token_ids), len(token_ids)),
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids if return_token_ids else None,
-        "prompt_text": None,
-        "kv_transfer_params": kv_transfer_params,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def chat_role_chunk(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    prompt_token_ids: list[int] | None,
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
+    def role_chunk(self) -> dict[str, Any] | None:
+        """A chat stream's first chunk, naming the role; None for completions."""
+        if not self.chat:
+            return None
+        chunk = self._head(self._chunk_object, self.created)
+        chunk["choices"] = [
             {
                 "index": 0,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
-        ],
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    chunk["prompt_token_ids"] = prompt_token_ids
-    chunk["prompt_text"] = None
-    return chunk
+        ]
+        if (chunk_usage := self._stream_usage(0)) is not None:
+            chunk["usage"] = chunk_usage
+        chunk["prompt_token_ids"] = (
+            self.prompt_token_ids if self.return_token_ids else None
+        )
+        chunk["prompt_text"] = None
+        return chunk
 
+    def chunk(
+        self,
+        *,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        token_ids: list[int],
+        first: bool,
+        num_output: int,
+    ) -> dict[str, Any]:
+        """A stream's chunk of new text (``first``: the stream's first),
+        ``num_output`` tokens generated so far."""
+        ids = self.return_token_ids
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = (self.echo if first else "") + text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        if self.chat:
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
+        else:
+            choice["stop_reason"] = stop_reason
+            choice["prompt_token_ids"] = (
+                self.prompt_token_ids if ids and first else None
+            )
+        choice["token_ids"] = token_ids if ids else None
+        chunk = self._head(self._chunk_object, self.created)
+        chunk["choices"] = [choice]
+        if (chunk_usage := self._stream_usage(num_output)) is not None:
+            chunk["usage"] = chunk_usage
+        return chunk
 
-def chat_chunk(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    token_ids: list[int] | None,
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": {"content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    choice["token_ids"] = token_ids
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
+    def usage_chunk(self, num_output: int) -> dict[str, Any] | None:
+        """A stream's closing usage chunk, if ``include_usage``."""
+        if not self.include_usage:
+            return None
+        chunk = self._head(self._chunk_object, self.created)
+        chunk["choices"] = []
+        chunk["usage"] = stream_usage(len(self.prompt_token_ids), num_output)
+        return chunk
 
 
 def models_response(model: str, max_model_len: int, created: int) -> dict[str, Any]:

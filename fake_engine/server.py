@@ -4,7 +4,6 @@ pull route consumers read a producer's blocks through."""
 
 from __future__ import annotations
 
-import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,27 +14,22 @@ import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine_patch.log import get_logger
 from fake_engine.config import FaultConfig, FaultKind, FaultSide
-from fake_engine.engine import Engine, EngineStoppedError, PullError
+from fake_engine.engine import Engine, EngineStoppedError
 from fake_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    chat_chunk,
-    chat_response,
-    chat_role_chunk,
-    completion_chunk,
-    completion_response,
+    ResponseBuilder,
     error_body,
     json_error,
     models_response,
     now,
     parse_request,
-    stream_usage,
-    usage_chunk,
     validation_error,
 )
-from fake_engine.request import EngineRequest, RequestOutput, SamplingOptions
+from fake_engine.request import EngineRequest, SamplingOptions
 from fake_engine.tokenizer import (
     VOCAB_SIZE,
     ChatTemplateError,
@@ -43,9 +37,14 @@ from fake_engine.tokenizer import (
     decode,
     encode,
 )
-from fake_engine.transfer import PULL_PATH, TransferError, decode_pull_request
+from fake_engine.transfer import (
+    PULL_PATH,
+    PullError,
+    TransferError,
+    decode_pull_request,
+)
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _json = msgspec.json.Encoder()
 _BYTE_POSITION = re.compile(r"byte (\d+)")
@@ -167,54 +166,17 @@ class EngineServer:
             max_tokens,
             aliases=(base, response_id, f"{response_id}-0"),
         )
-        echo = decode(prompt_ids) if body.echo else ""
-        if not body.stream:
-            return await self._full_response(
-                engine_request,
-                lambda text, out, token_ids: completion_response(
-                    response_id=response_id,
-                    created=now(),
-                    model=self.model_name,
-                    text=echo + text,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    prompt_token_ids=prompt_ids,
-                    token_ids=token_ids,
-                    return_token_ids=bool(body.return_token_ids),
-                    kv_transfer_params=out.kv_transfer_params,
-                ),
-            )
-        created = now()
-        return_ids = bool(body.return_token_ids)
-
-        def chunk(out: RequestOutput, first: bool, num_output: int) -> dict[str, Any]:
-            return completion_chunk(
-                response_id=response_id,
-                created=created,
-                model=self.model_name,
-                text=(echo if first else "") + out.text,
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                prompt_token_ids=prompt_ids if return_ids and first else None,
-                token_ids=out.token_ids if return_ids else None,
-                usage=stream_usage(len(prompt_ids), num_output)
-                if body.continuous_usage
-                else None,
-            )
-
-        return await self._stream_response(
-            request,
-            engine_request,
-            chunk,
-            role_chunk=None,
-            final_usage=self._final_usage(
-                body.include_usage,
-                response_id,
-                created,
-                len(prompt_ids),
-                "text_completion",
-            ),
+        builder = ResponseBuilder(
+            chat=False,
+            response_id=response_id,
+            model=self.model_name,
+            prompt_token_ids=prompt_ids,
+            return_token_ids=bool(body.return_token_ids),
+            continuous_usage=body.continuous_usage,
+            include_usage=body.include_usage,
+            echo=decode(prompt_ids) if body.echo else "",
         )
+        return await self._respond(request, engine_request, builder, bool(body.stream))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -247,60 +209,16 @@ class EngineServer:
             max_tokens,
             aliases=(base, response_id),
         )
-        return_ids = bool(body.return_token_ids)
-        if not body.stream:
-            return await self._full_response(
-                engine_request,
-                lambda text, out, token_ids: chat_response(
-                    response_id=response_id,
-                    created=now(),
-                    model=self.model_name,
-                    text=text,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    prompt_token_ids=prompt_ids,
-                    token_ids=token_ids,
-                    return_token_ids=return_ids,
-                    kv_transfer_params=out.kv_transfer_params,
-                ),
-            )
-        created = now()
-
-        def chunk(out: RequestOutput, first: bool, num_output: int) -> dict[str, Any]:
-            return chat_chunk(
-                response_id=response_id,
-                created=created,
-                model=self.model_name,
-                text=out.text,
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                token_ids=out.token_ids if return_ids else None,
-                usage=stream_usage(len(prompt_ids), num_output)
-                if body.continuous_usage
-                else None,
-            )
-
-        return await self._stream_response(
-            request,
-            engine_request,
-            chunk,
-            role_chunk=chat_role_chunk(
-                response_id=response_id,
-                created=created,
-                model=self.model_name,
-                prompt_token_ids=prompt_ids if return_ids else None,
-                usage=stream_usage(len(prompt_ids), 0)
-                if body.continuous_usage
-                else None,
-            ),
-            final_usage=self._final_usage(
-                body.include_usage,
-                response_id,
-                created,
-                len(prompt_ids),
-                "chat.completion.chunk",
-            ),
+        builder = ResponseBuilder(
+            chat=True,
+            response_id=response_id,
+            model=self.model_name,
+            prompt_token_ids=prompt_ids,
+            return_token_ids=bool(body.return_token_ids),
+            continuous_usage=body.continuous_usage,
+            include_usage=body.include_usage,
         )
+        return await self._respond(request, engine_request, builder, bool(body.stream))
 
     @property
     def model_name(self) -> str:
@@ -521,10 +439,20 @@ class EngineServer:
             )
         return None
 
-    async def _full_response(
+    async def _respond(
         self,
+        request: web.Request,
         engine_request: EngineRequest,
-        build: Callable[[str, RequestOutput, list[int]], dict[str, Any]],
+        builder: ResponseBuilder,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """Run the request on the engine and answer it, whole or streamed."""
+        if stream:
+            return await self._stream_response(request, engine_request, builder)
+        return await self._full_response(engine_request, builder)
+
+    async def _full_response(
+        self, engine_request: EngineRequest, builder: ResponseBuilder
     ) -> web.Response:
         if (error := self._submit(engine_request)) is not None:
             return error_response(error)
@@ -548,36 +476,21 @@ class EngineServer:
                     status=HTTPStatus.INTERNAL_SERVER_ERROR,
                 )
             )
-        return json_response(build("".join(text), out, token_ids))
-
-    def _final_usage(
-        self,
-        include_usage: bool,
-        response_id: str,
-        created: int,
-        num_prompt_tokens: int,
-        obj: str,
-    ) -> Callable[[int], dict[str, Any]] | None:
-        """The stream's closing usage chunk (``stream_options.include_usage``),
-        given the number of tokens generated; None if not asked for."""
-        if not include_usage:
-            return None
-        return lambda num_output: usage_chunk(
-            response_id=response_id,
-            created=created,
-            model=self.model_name,
-            obj=obj,
-            usage=stream_usage(num_prompt_tokens, num_output),
+        return json_response(
+            builder.response(
+                text="".join(text),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                token_ids=token_ids,
+                kv_transfer_params=out.kv_transfer_params,
+            )
         )
 
     async def _stream_response(
         self,
         request: web.Request,
         engine_request: EngineRequest,
-        chunk: Callable[[RequestOutput, bool, int], dict[str, Any]],
-        *,
-        role_chunk: dict[str, Any] | None,
-        final_usage: Callable[[int], dict[str, Any]] | None,
+        builder: ResponseBuilder,
     ) -> web.StreamResponse:
         if (error := self._submit(engine_request)) is not None:
             return error_response(error)
@@ -590,7 +503,7 @@ class EngineServer:
             num_output = 0
             while True:
                 out = await engine_request.outputs.get()
-                if first and role_chunk is not None:
+                if first and (role_chunk := builder.role_chunk()) is not None:
                     await response.write(_sse(role_chunk))
                 if out.finish_reason == "error":
                     status = HTTPStatus.INTERNAL_SERVER_ERROR
@@ -599,11 +512,19 @@ class EngineServer:
                     await response.write(_sse(body))
                     break
                 num_output += len(out.token_ids)
-                await response.write(_sse(chunk(out, first, num_output)))
+                chunk = builder.chunk(
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    token_ids=out.token_ids,
+                    first=first,
+                    num_output=num_output,
+                )
+                await response.write(_sse(chunk))
                 first = False
                 if out.finished:
-                    if final_usage is not None:
-                        await response.write(_sse(final_usage(num_output)))
+                    if (usage := builder.usage_chunk(num_output)) is not None:
+                        await response.write(_sse(usage))
                     break
             await response.write(_DONE)
             await response.write_eof()

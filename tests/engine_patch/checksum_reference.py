@@ -1,4 +1,4 @@
-"""A slow, independent reference of checksum v1 (``checksum.md``): plain
+"""A slow, independent reference of checksum v1 (``docs/checksum.md``): plain
 Python integers, one piece at a time, straight from the definition.
 
 It shares only the definition's constants (``hashing``'s scalar weight and
@@ -100,7 +100,7 @@ def checksums(
 
 
 def state_checksum(index: int, states: Sequence[torch.Tensor]) -> int:
-    """``c(g, 0)`` of one state layer (``checksum.md``, "State groups"), from
+    """``c(g, 0)`` of one state layer (``docs/checksum.md``, "State groups"), from
     its unsharded states (one block's): Σ S(index, s)·A(0)·Q(p)·mix(x) over
     each state ``s``'s 8-byte pieces ``p``, zero-padded at its end."""
     total = 0

@@ -3,7 +3,7 @@ with a simulated KV transfer that copies blocks to other block ids.
 
 KV moves in a layout-free form, per attention group a uint8 array
 ``[layers, tokens, heads, cell_bytes]`` (a cell: K bytes then V bytes, as
-``checksum.md`` defines it), per state (Mamba2) group a uint8 array
+``docs/checksum.md`` defines it), per state (Mamba2) group a uint8 array
 ``[layers, state_bytes]``: each layer's unsharded conv state then SSM state.
 Each engine scatters it into its own workers' caches (its TP shards, PP
 stages, block size, layout and block ids) and gathers it back.

@@ -14,15 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_host_fakes import (
     FakeBlocks,
-    FakeConnector,
     FakeConnectorOutput,
     FakeWorkers,
     consumer_request,
     scheduled_values,
     token_values,
 )
+from scheduler_harness import make_scheduler
 
-from engine_patch.config import KVChecksumConfig
 from engine_patch.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -31,7 +30,8 @@ from engine_patch.kv_cache import (
     SlidingWindowSpec,
 )
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
-from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
+from engine_patch.scheduler import KVChecksumScheduler
+from engine_patch.verify import UnverifiedReason
 
 U64 = st.integers(0, 2**64 - 1)
 FINGERPRINTS = {0: 0xF00D, 1: 0xBEEF, 2: 0xCAFE}
@@ -171,9 +171,7 @@ def load(
     """A consumer (TP 2) loads a request with these params; its workers
     report random KV."""
     workers = FakeWorkers(tp=2, fingerprints=FINGERPRINTS)
-    scheduler = KVChecksumScheduler(
-        KVChecksumConfig(tp_size=2, fail_closed=True), CONFIG, FakeConnector()
-    )
+    scheduler = make_scheduler(CONFIG, tp=2)
     req = consumer_request("c", num_tokens, params)
     scheduler.on_new_request(req)
     req.num_computed_tokens = num_tokens

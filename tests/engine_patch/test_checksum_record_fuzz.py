@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_host_fakes import (
     FakeBlocks,
-    FakeConnector,
     FakeConnectorOutput,
     FakeKVCacheManager,
     FakeWorkers,
@@ -26,9 +25,8 @@ from kv_host_fakes import (
     scheduled_values,
     token_values,
 )
+from scheduler_harness import full, kv_config, make_scheduler
 
-from engine_patch import log
-from engine_patch.config import KVChecksumConfig
 from engine_patch.host import FinishReason
 from engine_patch.kv_cache import (
     FullAttentionSpec,
@@ -37,8 +35,9 @@ from engine_patch.kv_cache import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
+from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumGroup, KVChecksumRecord
+from engine_patch.verify import UnverifiedReason
 
 R = UnverifiedReason
 CONFIG = KVCacheConfig(
@@ -55,11 +54,6 @@ TP, PP = 2, 2
 FUZZ = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "_warned", set())
 
 
 def blocks() -> FakeBlocks:
@@ -84,7 +78,7 @@ class Load:
 def clean_load(fail_closed: bool = True) -> Load:
     rng = np.random.default_rng(7)
     tokens = {g: token_values(rng, NUM_TOKENS) for g in range(3)}
-    producer = KVChecksumScheduler(KVChecksumConfig(tp_size=1), CONFIG, FakeConnector())
+    producer = make_scheduler(CONFIG)
     req = producer_request("c", NUM_TOKENS)
     req.num_computed_tokens = NUM_TOKENS
     producer.add_send(req, NUM_TOKENS, FakeKVCacheManager({"c": blocks()}))
@@ -97,11 +91,7 @@ def clean_load(fail_closed: bool = True) -> Load:
     params: dict[str, object] = {}
     producer.request_finished(req, params)
 
-    consumer = KVChecksumScheduler(
-        KVChecksumConfig(tp_size=TP, pp_size=PP, fail_closed=fail_closed),
-        CONFIG,
-        FakeConnector(),
-    )
+    consumer = make_scheduler(CONFIG, tp=TP, pp=PP, fail_closed=fail_closed)
     creq = consumer_request("c", NUM_TOKENS, params)
     consumer.on_new_request(creq)
     creq.num_computed_tokens = NUM_TOKENS
@@ -154,7 +144,8 @@ def _set_record(**fields: Any) -> Callable[[list[KVChecksumRecord]], None]:
     return mutate
 
 
-MALFORMED: dict[str, Callable[[list[KVChecksumRecord]], None]] = {
+# Records as workers must never send them: typed loosely on purpose.
+MALFORMED: dict[str, Callable[[list[Any]], object]] = {
     "replica key (0, 0)": _set_group(replica_keys=[(0, 0)]),
     "replica key (1, 1)": _set_group(replica_keys=[(1, 1)]),
     "a replica count beyond TP": _set_group(replica_keys=[(2**62, 0)]),
@@ -205,7 +196,7 @@ def test_a_malformed_record_leaves_the_load_unverified(
     load = clean_load()
     records: list[Any] = copy.deepcopy(load.records)
     MALFORMED[case](records)
-    with caplog.at_level(logging.DEBUG, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         failed = load.finish(records)
     assert failed == {"c"}
     assert outcome(load.scheduler) in {
@@ -229,9 +220,7 @@ def test_a_malformed_record_leaves_the_load_unverified(
 def test_a_producer_with_a_malformed_record_sends_no_checksums(
     case: str, reason: UnverifiedReason
 ) -> None:
-    producer = KVChecksumScheduler(
-        KVChecksumConfig(tp_size=TP, pp_size=PP), CONFIG, FakeConnector()
-    )
+    producer = make_scheduler(CONFIG, tp=TP, pp=PP)
     req = producer_request("p", NUM_TOKENS)
     req.num_computed_tokens = NUM_TOKENS
     producer.add_send(req, NUM_TOKENS, FakeKVCacheManager({"p": blocks()}))
@@ -258,11 +247,7 @@ def test_a_received_payload_that_is_not_one_leaves_the_load_unverified(
     received: object,
 ) -> None:
     # No payload in the request's params: the connector's received one counts.
-    scheduler = KVChecksumScheduler(
-        KVChecksumConfig(tp_size=1),
-        KVCacheConfig([KVCacheGroup(FullAttentionSpec(16))]),
-        FakeConnector(),
-    )
+    scheduler = make_scheduler(kv_config(full()))
     req = consumer_request("c", 16)
     scheduler.on_new_request(req)
     req.num_computed_tokens = 16

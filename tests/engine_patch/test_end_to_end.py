@@ -14,27 +14,33 @@ import numpy as np
 import pytest
 import torch
 from kv_host_fakes import FakeBlocks
+from pd_models import (
+    HYBRID,
+    HYBRID_ALIGNED,
+    HYBRID_REPLICATED,
+    HYBRID_SLIDING,
+    HYBRID_UNKNOWN_SPLIT,
+    MODEL,
+    WINDOW,
+    engines,
+)
 from pd_sim import (
     KV,
     GroupShape,
     ModelShape,
     SimEngine,
-    StateGroupShape,
     offload,
     offload_engine,
     reload,
     transfer,
 )
 
-from engine_patch import log
 from engine_patch.host import FinishReason
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
-from engine_patch.scheduler import UnverifiedReason
+from engine_patch.verify import UnverifiedReason
 from engine_patch.worker import KVLayout
 
 R = UnverifiedReason
-# 4 layers, 2 KV heads, float16 head size 4: 16-byte cells of 2 pieces.
-MODEL = ModelShape()
 
 PAIRINGS = {
     "(1,1)->(1,1)": ((1, 1), (1, 1)),
@@ -44,42 +50,6 @@ PAIRINGS = {
     "(1,2)->(1,1)": ((1, 2), (1, 1)),
     "(1,1)->(2,2)": ((1, 1), (2, 2)),
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "_warned", set())
-
-
-def engines(
-    producer: tuple[int, int] = (1, 1),
-    consumer: tuple[int, int] = (1, 1),
-    *,
-    producer_bs: int = 16,
-    consumer_bs: int = 16,
-    fail_closed: bool = True,
-    producer_model: ModelShape = MODEL,
-    consumer_model: ModelShape = MODEL,
-) -> tuple[SimEngine, SimEngine]:
-    return (
-        SimEngine(
-            producer_model,
-            tp=producer[0],
-            pp=producer[1],
-            block_size=producer_bs,
-            layout=KVLayout.SPLIT,
-            seed=1,
-        ),
-        SimEngine(
-            consumer_model,
-            tp=consumer[0],
-            pp=consumer[1],
-            block_size=consumer_bs,
-            layout=KVLayout.PACKED_HND,
-            fail_closed=fail_closed,
-            seed=2,
-        ),
-    )
 
 
 # --- Correct loads ------------------------------------------------------------
@@ -169,7 +139,7 @@ def test_a_corrupted_load_fails_under_fail_closed(
 ) -> None:
     producer, consumer = engines(consumer=(2, 1))
     t = transfer(producer, consumer, 50)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=flip(0, 2, 20, 1, 9, 4)) == {"req"}
     assert consumer.scheduler.stats.mismatch == 1
     assert "request req: group 0 block positions [1]" in caplog.text
@@ -180,7 +150,7 @@ def test_a_corrupted_load_is_logged_but_used_under_fail_open(
 ) -> None:
     producer, consumer = engines(consumer_bs=32, fail_closed=False)
     t = transfer(producer, consumer, 50)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=flip(0, 0, 40, 0, 0, 0)) == set()
     assert consumer.scheduler.stats.mismatch == 1
     assert "group 0 block positions [1]" in caplog.text
@@ -501,9 +471,8 @@ def test_corruption_is_detected_across_block_sizes_and_replicas(case: str) -> No
 
 # --- Sliding windows between block sizes ------------------------------------------
 
-# A full-attention group and a sliding-window group (window 40: not a whole
+# A full-attention group and a sliding-window group (WINDOW: not a whole
 # number of blocks).
-WINDOW = 40
 SLIDING = ModelShape(
     groups=(
         GroupShape(layers=(0, 1)),
@@ -614,53 +583,6 @@ def test_corruption_of_a_sliding_window_group_is_detected_between_block_sizes(
 
     assert t.load(corrupt=corrupt_window_group) == {"req"}
     assert consumer.scheduler.stats.mismatch == 1
-
-
-# --- Hybrid models (attention + Mamba2 state groups) -----------------------------
-
-# vLLM groups a hybrid's layers in groups of one size: here 2 attention
-# layers and 4 Mamba2 layers. Group 1 is checksummed per request in one
-# block (mamba_cache_mode "none") with a speculative scratch block after it;
-# group 2's state sits in the last of null blocks ("align").
-HYBRID = ModelShape(
-    groups=(
-        GroupShape(layers=(0, 3)),
-        StateGroupShape(layers=(1, 2), num_speculative_blocks=1),
-        StateGroupShape(layers=(4, 5), cache_mode="align"),
-    )
-)
-# Full attention, a sliding window and a state group whose conv state is
-# state-length first (SD).
-HYBRID_SLIDING = ModelShape(
-    groups=(
-        GroupShape(layers=(0,)),
-        GroupShape(layers=(3,), sliding_window=WINDOW),
-        StateGroupShape(layers=(1, 2), conv_layout="SD", cache_mode="align"),
-    )
-)
-# States every TP rank holds whole (MambaSpec.tp_replicated).
-HYBRID_REPLICATED = ModelShape(
-    groups=(
-        GroupShape(layers=(0, 3)),
-        StateGroupShape(layers=(1, 2), tp_replicated=True),
-    )
-)
-# States whose TP split neither side knows (no MambaSpec.state_splits).
-HYBRID_UNKNOWN_SPLIT = ModelShape(
-    groups=(
-        GroupShape(layers=(0, 3)),
-        StateGroupShape(layers=(1, 2), known_split=False, num_speculative_blocks=1),
-    )
-)
-# The same model on a consumer with Mamba prefix caching ("align") and
-# speculative decoding (scratch blocks after group 2's state too).
-HYBRID_ALIGNED = ModelShape(
-    groups=(
-        GroupShape(layers=(0, 3)),
-        StateGroupShape(layers=(1, 2), num_speculative_blocks=1, cache_mode="align"),
-        StateGroupShape(layers=(4, 5), num_speculative_blocks=2, cache_mode="align"),
-    )
-)
 
 
 # --- Many clean loads -------------------------------------------------------------

@@ -16,6 +16,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from pd_models import (
+    HYBRID,
+    HYBRID_REPLICATED,
+    HYBRID_SLIDING,
+    HYBRID_UNKNOWN_SPLIT,
+    engines,
+)
 from pd_sim import (
     KV,
     GroupShape,
@@ -28,21 +35,13 @@ from pd_sim import (
     transfer,
     transfers_together,
 )
-from test_end_to_end import (
-    HYBRID,
-    HYBRID_REPLICATED,
-    HYBRID_SLIDING,
-    HYBRID_UNKNOWN_SPLIT,
-    engines,
-)
 
-from engine_patch import log
 from engine_patch.payload import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumPayload,
     decode_base64,
 )
-from engine_patch.scheduler import UnverifiedReason
+from engine_patch.verify import UnverifiedReason
 from engine_patch.worker import KVLayout, StateShard
 
 R = UnverifiedReason
@@ -58,11 +57,6 @@ X = SHAPE.num_heads * SHAPE.head_dim
 BC = SHAPE.n_groups * SHAPE.d_state
 NUM_TOKENS = 50
 OTHER_KV = HYBRID.random_kv(99, NUM_TOKENS)
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "_warned", set())
 
 
 def conv(kv: KV, layer: int) -> np.ndarray:
@@ -350,7 +344,7 @@ def test_a_corrupted_state_is_logged_used_and_kept_from_reuse_under_fail_open(
 ) -> None:
     producer, consumer = hybrid_engines("TP 1->2, 16->32", fail_closed=False)
     t = transfer(producer, consumer, NUM_TOKENS, seed=6)
-    with caplog.at_level(logging.ERROR, logger="engine_patch.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine_patch.scheduler"):
         assert t.load(corrupt=_flip_conv(17)) == set()
     assert consumer.scheduler.stats.mismatch == 1
     assert "group 1 block positions [0] (fail-open: the load is used)" in caplog.text

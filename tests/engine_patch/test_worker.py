@@ -1,4 +1,4 @@
-"""KVChecksumWorker computes checksum v1 of ``checksum.md``: it equals a slow
+"""KVChecksumWorker computes checksum v1 of ``docs/checksum.md``: it equals a slow
 reference on every layout and dtype, and its partials add up across TP
 shards, PP stages and block sizes."""
 
@@ -10,6 +10,13 @@ import numpy as np
 import pytest
 import torch
 from checksum_reference import MOD, checksums
+from worker_helpers import (
+    DTYPES,
+    LAYOUTS,
+    column_sums,
+    make_kv,
+    random_tensor,
+)
 
 from engine_patch.hashing import block_checksum_tags, layer_fingerprint
 from engine_patch.types import (
@@ -19,78 +26,6 @@ from engine_patch.types import (
     KVChecksumScheduled,
 )
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
-
-DTYPES = [
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.uint8,
-    torch.float8_e4m3fn,
-]
-LAYOUTS = list(KVLayout)
-
-
-def random_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, seed: int
-) -> torch.Tensor:
-    """Random bits of ``dtype`` (NaNs and all: checksums read bytes)."""
-    gen = torch.Generator().manual_seed(seed)
-    size = torch.empty(0, dtype=dtype).element_size()
-    *lead, last = shape
-    raw = torch.randint(0, 256, (*lead, last * size), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)
-
-
-def logical_shape(
-    layout: KVLayout, num_blocks: int, block_size: int, heads: int, last: int
-) -> tuple[int, ...]:
-    if layout is KVLayout.SPLIT:
-        return (2, num_blocks, block_size, heads, last)
-    if layout is KVLayout.PACKED_HND:
-        return (num_blocks, heads, block_size, last)
-    return (num_blocks, block_size, heads, last)
-
-
-def make_kv(
-    layout: KVLayout,
-    dtype: torch.dtype,
-    view: str,
-    *,
-    num_blocks: int = 8,
-    block_size: int = 4,
-    heads: int = 2,
-    last: int = 8,
-    seed: int = 0,
-) -> torch.Tensor:
-    """A KV tensor of ``layout``: contiguous, a strided view into a buffer
-    shared with other layers (FlashInfer's K/V-inner order, HND over NHD
-    memory), or with a strided last dim."""
-    shape = logical_shape(layout, num_blocks, block_size, heads, last)
-    if view == "contiguous":
-        kv = random_tensor(shape, dtype, seed)
-    elif view == "shared_buffer":
-        if layout is KVLayout.SPLIT:
-            # [blocks, layers, 2, block_size, heads, head_size], layer 1.
-            buf = random_tensor(
-                (num_blocks, 3, 2, block_size, heads, last), dtype, seed
-            )
-            kv = buf[:, 1].transpose(0, 1)
-        else:
-            # The other packed order in memory, behind another layer's.
-            a, b = (
-                (heads, block_size)
-                if layout is KVLayout.PACKED_NHD
-                else (block_size, heads)
-            )
-            buf = random_tensor((2, num_blocks, a, b, last), dtype, seed)
-            kv = buf[1].permute(0, 2, 1, 3)
-        assert not kv.is_contiguous()
-    else:
-        buf = random_tensor((*shape[:-1], 2 * last), dtype, seed)
-        kv = buf[..., ::2]
-        assert kv.stride(-1) == 2
-    assert kv.shape == shape
-    return kv
 
 
 def load_record(
@@ -113,10 +48,6 @@ def load_values(
     worker: KVChecksumWorker, num_tokens: int, start: int, block_ids: list[int]
 ) -> KVChecksumGroup:
     return load_record(worker, num_tokens, {0: (start, block_ids)}).checksums["req"][0]
-
-
-def column_sums(group: KVChecksumGroup) -> list[int]:
-    return [int(v) for v in group.values.sum(axis=1, dtype=np.uint64)]
 
 
 @pytest.mark.parametrize("view", ["contiguous", "shared_buffer", "strided_last_dim"])

@@ -13,87 +13,19 @@ import numpy as np
 import pytest
 import torch
 from checksum_reference import checksums
-from test_worker import DTYPES, LAYOUTS, column_sums, logical_shape, random_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from worker_helpers import (
+    DTYPES,
+    LAYOUTS,
+    MIXED_REQUESTS,
+    column_sums,
+    layers_in_one_buffer,
+    random_tensor,
+    recv_all,
+)
 
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
-
-
-def layers_in_one_buffer(
-    layout: KVLayout,
-    dtype: torch.dtype,
-    *,
-    num_layers: int = 3,
-    num_blocks: int = 12,
-    block_size: int = 4,
-    heads: int = 2,
-    last: int = 8,
-    block_major: bool = False,
-    group_id: int = 0,
-    spec_type: str = "full_attention",
-    first_index: int = 0,
-    seed: int = 0,
-) -> list[KVLayer]:
-    """Layers that are views of one allocation, as vLLM 0.32 and the fake
-    engine lay them out: layer-major (``[layers, ...]``) or block-major
-    (each block holds every layer's page)."""
-    shape = logical_shape(layout, num_blocks, block_size, heads, last)
-    if block_major and layout is not KVLayout.SPLIT:
-        buf = random_tensor((num_blocks, num_layers, *shape[1:]), dtype, seed)
-        views = [buf[:, i] for i in range(num_layers)]
-    elif block_major:
-        buf = random_tensor((num_blocks, num_layers, 2, *shape[2:]), dtype, seed)
-        views = [buf[:, i].transpose(0, 1) for i in range(num_layers)]
-    else:
-        buf = random_tensor((num_layers, *shape), dtype, seed)
-        views = [buf[i] for i in range(num_layers)]
-    return [
-        KVLayer(
-            f"model.layers.{first_index + i}.attn",
-            first_index + i,
-            group_id,
-            view,
-            layout,
-            spec_type=spec_type,
-            head_offset=2,
-        )
-        for i, view in enumerate(views)
-    ]
-
-
-# (req_id, num_tokens, start, block ids): one block partly filled, several
-# full ones, blocks past num_tokens, a request with no live block, and two
-# requests sharing blocks (a prefix).
-MIXED_REQUESTS = [
-    ("one", 3, 0, [7]),
-    ("many", 6 * 4, 0, [0, 5, 9, 2, 11, 4]),
-    ("tail", 2 * 4 + 1, 1, [3, 8, 10]),
-    ("empty", 4, 1, [6]),
-    ("prefix", 9, 0, [0, 5, 1]),
-]
-
-
-def recv_all(
-    worker: KVChecksumWorker,
-    requests: list[tuple[str, int, dict[int, tuple[int, list[int]]]]],
-) -> dict[str, dict[int, np.ndarray]]:
-    """Load every request in one step: per request and group, its values."""
-    worker.begin_step(
-        KVChecksumScheduled(
-            reqs_to_recv={
-                req_id: KVChecksumBlocks(num_tokens, groups)
-                for req_id, num_tokens, groups in requests
-            }
-        )
-    )
-    worker.on_loads_finished([req_id for req_id, _, _ in requests])
-    record = worker.take_record()
-    assert record is not None
-    return {
-        req_id: {group_id: group.values for group_id, group in groups.items()}
-        for req_id, groups in record.checksums.items()
-    }
 
 
 @pytest.mark.parametrize(

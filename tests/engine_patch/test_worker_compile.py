@@ -10,9 +10,16 @@ import os
 
 import pytest
 import torch
-from test_worker import make_kv
-from test_worker_batch import MIXED_REQUESTS, layers_in_one_buffer, recv_all
-from test_worker_state import mamba2_states, rank_layers, state_values, unsharded
+from worker_helpers import (
+    MIXED_REQUESTS,
+    layers_in_one_buffer,
+    make_kv,
+    mamba2_states,
+    rank_layers,
+    recv_all,
+    state_values,
+    unsharded,
+)
 
 from engine_patch import checksum_kernel
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout

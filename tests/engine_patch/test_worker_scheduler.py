@@ -9,16 +9,16 @@ import torch
 from kv_host_fakes import (
     FINISHED,
     FakeBlocks,
-    FakeConnector,
     FakeConnectorOutput,
     FakeKVCacheManager,
     consumer_request,
     producer_request,
 )
-from test_worker import random_tensor
+from scheduler_harness import full, kv_config, make_scheduler
+from worker_helpers import (
+    random_tensor,
+)
 
-from engine_patch.config import KVChecksumConfig
-from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
@@ -53,11 +53,7 @@ def workers(kvs: list[torch.Tensor], tp: int) -> list[KVChecksumWorker]:
 
 
 def scheduler(tp: int) -> KVChecksumScheduler:
-    return KVChecksumScheduler(
-        KVChecksumConfig(tp_size=tp, fail_closed=True),
-        KVCacheConfig([KVCacheGroup(FullAttentionSpec(BLOCK_SIZE))]),
-        FakeConnector(),
-    )
+    return make_scheduler(kv_config(full(BLOCK_SIZE)), tp=tp)
 
 
 @pytest.mark.parametrize(

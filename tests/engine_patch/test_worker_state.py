@@ -11,14 +11,26 @@ all layers in one buffer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 from checksum_reference import MOD, checksums, state_checksum
-from test_worker import random_tensor
-from test_worker_batch import layers_in_one_buffer
+from worker_helpers import (
+    CONV,
+    CONV_DIM,
+    CONV_PARTS,
+    HEAD_DIM,
+    HEADS,
+    NUM_BLOCKS,
+    STATE,
+    StateSpec,
+    layers_in_one_buffer,
+    mamba2_states,
+    random_tensor,
+    rank_layers,
+    state_values,
+    unsharded,
+)
 
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.worker import (
@@ -29,127 +41,6 @@ from engine_patch.worker import (
     StateTensor,
     state_views,
 )
-
-NUM_BLOCKS = 6
-# Mamba2: intermediate 64, 2 groups of state 16, 8 heads of 8, conv kernel 4.
-INTERMEDIATE, GROUPS, STATE, HEADS, HEAD_DIM, CONV = 64, 2, 16, 8, 8, 4
-CONV_DIM = INTERMEDIATE + 2 * GROUPS * STATE
-# TP splits the conv dim's x, B and C parts separately.
-CONV_PARTS = (INTERMEDIATE, GROUPS * STATE, GROUPS * STATE)
-
-
-@dataclass
-class StateSpec:
-    """One state of a layer, unsharded: its shape, dtype and TP split."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    dim: int
-    parts: tuple[int, ...] | None = None
-
-
-def mamba2_states(conv_layout: str) -> list[StateSpec]:
-    """Mamba2's conv state (``DS``: dim first, as vLLM's CPU backend needs;
-    ``SD``: state_len first) and SSM state."""
-    conv = (
-        StateSpec((CONV_DIM, CONV - 1), torch.bfloat16, 0, CONV_PARTS)
-        if conv_layout == "DS"
-        else StateSpec((CONV - 1, CONV_DIM), torch.bfloat16, 1, CONV_PARTS)
-    )
-    return [conv, StateSpec((HEADS, HEAD_DIM, STATE), torch.float32, 0)]
-
-
-def unsharded(
-    specs: list[StateSpec], num_layers: int, seed: int
-) -> list[list[torch.Tensor]]:
-    """Per layer and state, random ``[blocks, *shape]`` states."""
-    return [
-        [
-            random_tensor((NUM_BLOCKS, *spec.shape), spec.dtype, seed + 10 * layer + s)
-            for s, spec in enumerate(specs)
-        ]
-        for layer in range(num_layers)
-    ]
-
-
-def share(state: torch.Tensor, shard: StateShard) -> torch.Tensor:
-    """A rank's share of ``[blocks, *shape]`` states: its runs of the split
-    dim, in order."""
-    dim = shard.dim + 1
-    return torch.cat(
-        [state.narrow(dim, start, length) for start, length in shard.runs], dim=dim
-    )
-
-
-def rank_layers(
-    specs: list[StateSpec],
-    states: list[list[torch.Tensor]],
-    tp: int,
-    rank: int,
-    *,
-    group_id: int = 0,
-    first_index: int = 0,
-    known_split: bool = True,
-    padded_page: int = 16,
-) -> list[KVStateLayer]:
-    """One rank's state layers: each layer's shares packed into one page per
-    block, pages of every layer in one int8 buffer (vLLM's layout, pages
-    padded by ``padded_page`` bytes), typed views cut as ``bind_kv_cache``
-    does."""
-    shards = [
-        StateShard.split(spec.shape, spec.dim, tp, rank, spec.parts) for spec in specs
-    ]
-    sizes = [
-        math.prod(shard.local_shape()) * torch.empty(0, dtype=spec.dtype).element_size()
-        for spec, shard in zip(specs, shards, strict=True)
-    ]
-    page = sum(sizes) + padded_page
-    buf = torch.zeros((len(states), NUM_BLOCKS, page), dtype=torch.int8)
-    layers = []
-    for index, layer_states in enumerate(states):
-        offset = 0
-        tensors = []
-        for spec, shard, size, state in zip(
-            specs, shards, sizes, layer_states, strict=True
-        ):
-            view = (
-                buf[index, :, offset : offset + size]
-                .view(spec.dtype)
-                .view(NUM_BLOCKS, *shard.local_shape())
-            )
-            view.copy_(share(state, shard))
-            tensors.append(StateTensor(view, shard if known_split else None))
-            offset += size
-        layers.append(
-            KVStateLayer(
-                f"model.layers.{first_index + index}.mixer",
-                first_index + index,
-                group_id,
-                tuple(tensors),
-            )
-        )
-    return layers
-
-
-def state_values(
-    worker: KVChecksumWorker, block_ids: dict[str, int], *, group_id: int = 0
-) -> dict[str, np.ndarray]:
-    """Per request, its state group's values after a load of its state
-    block, all in one step."""
-    worker.begin_step(
-        KVChecksumScheduled(
-            reqs_to_recv={
-                req_id: KVChecksumBlocks(37, {group_id: (0, [block])})
-                for req_id, block in block_ids.items()
-            }
-        )
-    )
-    worker.on_loads_finished(list(block_ids))
-    record = worker.take_record()
-    assert record is not None
-    return {
-        req_id: groups[group_id].values for req_id, groups in record.checksums.items()
-    }
 
 
 def reference(states: list[list[torch.Tensor]], block: int) -> int:
@@ -271,7 +162,7 @@ def test_a_corrupted_piece_of_any_state_is_detected(tp: int) -> None:
                 position = offset + offset // 8 % 8
                 if position >= len(block):
                     position = offset
-                saved = block[position].item()
+                saved = int(block[position].item())
                 block[position] = saved ^ 0x80
                 value = int(state_values(worker, {"r": 2})["r"][0, 0])
                 block[position] = saved

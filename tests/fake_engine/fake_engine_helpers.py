@@ -9,15 +9,7 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-# What a proxy adds to the prefill's body (wire.md).
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from proxy.body import PREFILL_KV_PARAMS
 
 # 70 tokens: 5 blocks of 16 (the last holds 6), 3 of 32 (the last holds 6).
 PROMPT = "The quick brown fox jumps over the lazy dog; KV blocks travel far away"
@@ -73,7 +65,9 @@ async def stream(
 
 def text_of(response: dict[str, Any]) -> str:
     choice = response["choices"][0]
-    return choice["text"] if "text" in choice else choice["message"]["content"]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert isinstance(text, str)
+    return text
 
 
 def streamed_text(events: list[Any]) -> str:
@@ -101,14 +95,14 @@ async def prefill(
         **body,
         "max_tokens": 1,
         "stream": False,
-        "kv_transfer_params": PREFILL_PARAMS,
+        "kv_transfer_params": PREFILL_KV_PARAMS,
     }
     prefill_body.pop("stream_options", None)
     headers = {"X-Request-Id": request_id} if request_id else None
     status, response = await post(session, url + path, prefill_body, headers)
     assert status == 200, response
     params = response["kv_transfer_params"]
-    assert params is not None and params["do_remote_prefill"]
+    assert isinstance(params, dict) and params["do_remote_prefill"]
     return params
 
 

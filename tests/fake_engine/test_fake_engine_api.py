@@ -180,7 +180,7 @@ async def test_token_ids_and_echo_on_request(
 async def test_unknown_fields_are_accepted_with_a_warning(
     session: aiohttp.ClientSession, url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="fake_engine.protocol")
+    caplog.set_level(logging.WARNING, logger="kvguard.fake_engine.protocol")
     body = completion_body(router_hint="prefill-3")
     status, _ = await post(session, url + COMPLETIONS, body)
     assert status == 200

@@ -66,11 +66,13 @@ async def test_held_blocks_drop_to_zero_after_abort(
 async def test_held_blocks_drop_to_zero_when_the_lease_ends(
     session: aiohttp.ClientSession,
 ) -> None:
-    async with fake_engines(EngineSpec(role=Role.PRODUCER, lease_s=0.2)) as urls:
+    # A lease long enough for both prefills and a scrape on a loaded 2-core
+    # machine (0.2 s could end the first before the second was counted).
+    async with fake_engines(EngineSpec(role=Role.PRODUCER, lease_s=1.0)) as urls:
         await prefill(session, urls[0], COMPLETIONS, completion_body())
         await prefill(session, urls[0], COMPLETIONS, completion_body(prompt="short"))
         assert await metric(session, urls[0], HELD) == 6
-        for _ in range(40):
+        for _ in range(100):
             await asyncio.sleep(0.05)
             if await metric(session, urls[0], HELD) == 0:
                 break

@@ -227,7 +227,7 @@ async def test_engine_with_both_roles_serves_as_prefill_and_decode(
 async def test_preempted_requests_answer_as_without_preemption(
     session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="fake_engine.engine")
+    caplog.set_level(logging.INFO, logger="kvguard.fake_engine.engine")
     # 9 usable blocks of 16 tokens: three requests start with 2 each and
     # grow to 5 each.
     small = EngineSpec(num_blocks=10, max_model_len=144)

@@ -4,6 +4,8 @@ and the fault injector's corruptions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def test_tokenizer_round_trips_utf8_and_skips_eos() -> None:
 
 
 def test_chat_template_renders_roles_and_the_generation_prompt() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
     ]
