@@ -2,7 +2,7 @@
 
 The decode leg gets the client's bytes verbatim with the prefill's
 ``kv_transfer_params`` spliced in byte for byte; the prefill leg is the parsed
-body with only the fields wire.md names changed, so no field is ever added
+body with only the fields docs/wire.md names changed, so no field is ever added
 that the client did not send (beyond ``kv_transfer_params`` and the token caps).
 """
 
@@ -20,7 +20,7 @@ _encode_json = msgspec.json.Encoder().encode
 KV_PARAMS = "kv_transfer_params"
 _TOO_DEEP = "Request body is nested too deeply"
 
-# What the proxy asks of the prefill (wire.md, "Proxy -> prefill").
+# What the proxy asks of the prefill (docs/wire.md, "Proxy → prefill").
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

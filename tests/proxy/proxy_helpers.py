@@ -1,6 +1,6 @@
 """Fixtures for the proxy's tests: a tiny in-process P/D backend, a config maker.
 
-The stub backend speaks just enough of vLLM's P/D protocol (wire.md) to test
+The stub backend speaks just enough of vLLM's P/D protocol (docs/wire.md) to test
 the proxy's flow without torch: a prefill answers one token and
 ``kv_transfer_params`` and holds the "KV" until a decode pulls it or an abort
 frees it; a decode pulls it from the prefill stub named in the params and
