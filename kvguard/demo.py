@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
     level = logging.INFO if args.verbose else logging.CRITICAL
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
-        for name in ("fake_engine", "engine_patch", "kvguard", "aiohttp"):
+        for name in ("kvguard", "aiohttp"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         import uvloop

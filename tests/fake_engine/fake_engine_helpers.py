@@ -7,9 +7,9 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.body import PREFILL_KV_PARAMS
+from tests.support.metrics import fetch_metric
 
 # 70 tokens: 5 blocks of 16 (the last holds 6), 3 of 32 (the last holds 6).
 PROMPT = "The quick brown fox jumps over the lazy dog; KV blocks travel far away"
@@ -120,16 +120,5 @@ async def pd(
     )
 
 
-async def metric(
-    session: aiohttp.ClientSession, url: str, name: str, **labels: str
-) -> float:
-    """A sample's value on an engine's /metrics (0 if absent)."""
-    async with session.get(url + "/metrics") as response:
-        text = await response.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(
-                sample.labels.get(k) == v for k, v in labels.items()
-            ):
-                return sample.value
-    return 0.0
+# One metrics scraper for every test (tests/support/metrics.py).
+metric = fetch_metric
