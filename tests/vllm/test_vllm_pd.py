@@ -26,10 +26,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from vllm_servers import (
-    EngineSpec,
-    Servers,
-    busy_threads,
+from vllm_client import (
     complete,
     deltas,
     error_message,
@@ -38,6 +35,7 @@ from vllm_servers import (
     stream_text,
     text_of,
 )
+from vllm_servers import EngineSpec, Servers, busy_threads
 
 from engine_patch.payload import KVChecksumPayload
 
