@@ -96,14 +96,14 @@ def _timed(
 ) -> Callable[Concatenate[KVGuardSchedulerSide, _P], _T]:
     """Add the method's time to the scheduler's own (its overhead)."""
 
-    @functools.wraps(method)
-    def timed(self: KVGuardSchedulerSide, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    def timed(self: KVGuardSchedulerSide, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
             self._seconds += time.perf_counter() - start
 
+    functools.update_wrapper(timed, method)
     return timed
 
 
