@@ -140,6 +140,21 @@ async def through_proxy(
     )
 
 
+async def prefix_cache_hits(
+    http: aiohttp.ClientSession, servers: Servers, mode: str, texts: list[str]
+) -> float:
+    """The tokens the mode's consumer serves from its prefix cache to local
+    requests (no KV load) of ``texts``."""
+    url = consumer_url(servers, mode)
+    before = await metrics(http, url)
+    for text in texts:
+        status, answer = await complete(http, url, text, max_tokens=1)
+        assert status == 200, answer
+    return deltas(await metrics(http, url), before).get(
+        "vllm:prefix_cache_hits_total", 0.0
+    )
+
+
 class Changes:
     """Metric deltas of the producer, a mode's consumer and proxy, and what
     the consumer's fault injector logged, over a ``with`` block."""
@@ -278,6 +293,8 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert change.producer.get("kvguard_kv_checksum_sent_total", 0) >= len(PROMPTS)
     assert change.integrity_retries == 0
     assert_holds(change, mode)
+    # A clean load's KV serves later requests of its prompt.
+    assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
 
 
 async def test_corrupted_loads_fail_open_are_counted_and_answered(
@@ -301,6 +318,8 @@ async def test_corrupted_loads_fail_open_are_counted_and_answered(
     # Fail-open holds no load for its verdict, in either mode.
     assert change.consumer_count("loads_held") == 0
     assert change.integrity_retries == 0
+    # But a mismatched load's KV never serves another request.
+    assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) == 0
 
 
 async def test_corrupted_load_is_retried_on_another_prefill_and_answers_clean_text(
