@@ -228,6 +228,7 @@ class EngineSpec:
             "kv_checksums": {
                 "enabled": self.checksums,
                 "fail_closed": self.fail_closed,
+                "compile": self.compile,
             },
         }
         name = "KVGuardConnector"
