@@ -341,7 +341,8 @@ class VllmServer(Server):
         command = [
             "timeout", str(SERVER_LIFETIME_S),
             VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(ensure_model()), "--served-model-name", MODEL_NAME,
+            "--model", str(ensure_model()),
+            "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--max-model-len", "512",
             "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
