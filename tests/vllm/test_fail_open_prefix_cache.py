@@ -79,7 +79,7 @@ def cached_tokens(scheduler: Scheduler, tokens: list[int]) -> int:
     """How many of a new local request's prompt tokens vLLM's prefix cache
     would serve it."""
     later = request("later", len(tokens), None, prompt=tokens)
-    _, num_hit_tokens = scheduler.kv_cache_manager.get_computed_blocks(later)
+    _, num_hit_tokens, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
     return int(num_hit_tokens)
 
 
