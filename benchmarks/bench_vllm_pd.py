@@ -54,16 +54,8 @@ import aiohttp
 TESTS = Path(__file__).resolve().parents[1] / "tests" / "vllm"
 sys.path.insert(0, str(TESTS))
 
-from vllm_servers import (  # noqa: E402
-    MODEL_DIR,
-    STARTUPS,
-    EngineSpec,
-    Servers,
-    complete,
-    ensure_model,
-    metrics,
-    prompts,
-)
+from vllm_client import MODEL_NAME, complete, metrics, prompts  # noqa: E402
+from vllm_servers import STARTUPS, EngineSpec, Servers, ensure_model  # noqa: E402
 
 DECODE_TOKENS = 16
 PHASES = ("off", "on", "on+scheduler")
@@ -106,7 +98,7 @@ async def pd_request(
     if status != 200:
         raise RuntimeError(f"{phase} prefill failed: {answer}")
     body = {
-        "model": str(MODEL_DIR),
+        "model": MODEL_NAME,
         "prompt": prompt,
         "max_tokens": DECODE_TOKENS,
         "temperature": 0,

@@ -126,9 +126,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
                 f"inner connector {inner_cls.__name__} does not support the hybrid "
                 "KV cache manager; set --disable-hybrid-kv-cache-manager"
             )
-        self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[assignment]
-            inner_config, role, kv_cache_config
-        )
+        self._inner: KVConnectorBase_V1 = inner_cls(inner_config, role, kv_cache_config)
         self._scheduler: KVGuardSchedulerSide | None = None
         self._worker: KVGuardWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -211,7 +209,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         inner_config = inner_vllm_config(vllm_config, settings)
         assert inner_config.kv_transfer_config is not None
         inner_cls = inner_connector_class(inner_config.kv_transfer_config)
-        return inner_cls, inner_config  # type: ignore[return-value]
+        return inner_cls, inner_config
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -298,7 +296,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side
     # ==============================
 
-    def get_mem_pool_context(self) -> AbstractContextManager | None:
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         return self._inner.get_mem_pool_context()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -466,10 +464,9 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._inner_hma:
-            delay_free, params = self._inner.request_finished_all_groups(  # type: ignore[attr-defined]
-                request, block_ids
-            )
+        inner = self._inner
+        if isinstance(inner, SupportsHMA):
+            delay_free, params = inner.request_finished_all_groups(request, block_ids)
         else:
             (group_block_ids,) = block_ids
             delay_free, params = self._inner.request_finished(request, group_block_ids)

@@ -20,7 +20,9 @@ then calls a finished request's ``request_finished*``, and only then
   step's metadata (one engine step), and a failed verification then
   reaches vLLM as a failed load. vLLM applies its
   ``kv_load_failure_policy`` either way. Fail-open holds nothing: the
-  outcome is only counted and logged.
+  outcome is counted and logged, and a mismatched load's request decodes
+  but its blocks are kept out of vLLM's prefix cache
+  (:mod:`engine_patch.vllm.prefix_cache`).
 
 Steps with nothing of KVGuard's pending (most of them: a producer's engine
 steps idly while NIXL holds finished requests' blocks) cost a few attribute
@@ -42,6 +44,7 @@ from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
 from engine_patch.vllm.host import ConnectorHooks, RequestAt, convert_kv_cache_config
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
+from engine_patch.vllm.prefix_cache import keep_out_of_prefix_cache
 from engine_patch.vllm.stats import Snapshot, checksum_deltas
 
 if TYPE_CHECKING:
@@ -96,14 +99,14 @@ def _timed(
 ) -> Callable[Concatenate[KVGuardSchedulerSide, _P], _T]:
     """Add the method's time to the scheduler's own (its overhead)."""
 
-    @functools.wraps(method)
-    def timed(self: KVGuardSchedulerSide, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    def timed(self: KVGuardSchedulerSide, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
             self._seconds += time.perf_counter() - start
 
+    functools.update_wrapper(timed, method)
     return timed
 
 
@@ -134,6 +137,9 @@ class KVGuardSchedulerSide:
         self._producers: dict[str, Request] = {}
         # Per request: the locally computed tokens its connector lookup saw.
         self._num_local_tokens: dict[str, int] = {}
+        # Fail-open loads not verified yet, by id: the request and its first
+        # loaded token (a mismatch keeps its blocks out of the prefix cache).
+        self._open_loads: dict[str, tuple[Request, int]] = {}
         # Whether a load started since the last metadata (its blocks go to
         # the workers in the next one).
         self._loads_started = False
@@ -217,6 +223,8 @@ class KVGuardSchedulerSide:
             RequestAt(request, num_local + num_external_tokens), blocks, num_local
         )
         self._loads_started = True
+        if not self._checksums.fail_closed:
+            self._open_loads[request.request_id] = (request, num_local)
 
     def build_meta(
         self, scheduler_output: SchedulerOutput
@@ -258,6 +266,7 @@ class KVGuardSchedulerSide:
             return
         self._producers.pop(request.request_id, None)
         self._num_local_tokens.pop(request.request_id, None)
+        self._open_loads.pop(request.request_id, None)
         self._finished.append(_Finished(request, kv_transfer_params))
 
     def verify_finished_loads(self, output: KVConnectorOutput) -> None:
@@ -311,6 +320,7 @@ class KVGuardSchedulerSide:
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
         self._outcomes = True
+        self._keep_mismatched_out_of_prefix_cache(complete | failed_by_inner)
         failed = self._checksums.take_load_failures()
         if self._same_step:
             # Still in finished_recving: vLLM releases the request from its
@@ -323,6 +333,25 @@ class KVGuardSchedulerSide:
         for req_id, message in sorted(failed.items()):
             self._failed_loads[req_id] = message
             logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
+
+    def _keep_mismatched_out_of_prefix_cache(self, verified: set[str]) -> None:
+        """Fail-open: no other request may reuse a mismatched load's KV. Runs
+        before vLLM caches the step's finished loads (in the next
+        ``schedule``); fail-closed, vLLM never caches a failed load."""
+        assert self._checksums is not None
+        mismatched = self._checksums.take_mismatched_loads()
+        if not self._open_loads:
+            return
+        for req_id in verified:
+            load = self._open_loads.pop(req_id, None)
+            if load is not None and req_id in mismatched:
+                assert self._kv_cache_manager is not None
+                request, first_loaded_token = load
+                keep_out_of_prefix_cache(
+                    request,
+                    first_loaded_token,
+                    self._kv_cache_manager.block_pool.hash_block_size,
+                )
 
     def flush_finished(self) -> None:
         """Send the checksums of the requests finished since the last call."""

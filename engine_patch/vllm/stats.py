@@ -10,8 +10,9 @@ import importlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from prometheus_client import Counter as PromCounter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -99,7 +100,8 @@ def checksum_deltas(now: KVChecksumStats, before: Snapshot) -> dict[str, Any]:
 def _inner_class(connector: str, module_path: str | None) -> type[Any]:
     """The inner connector's class, by name or module path."""
     if module_path:
-        return getattr(importlib.import_module(module_path), connector)
+        found: type[Any] = getattr(importlib.import_module(module_path), connector)
+        return found
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     return KVConnectorFactory.get_connector_class_by_name(connector)
@@ -132,7 +134,8 @@ class KVGuardConnectorStats(KVConnectorStats):
 
     @property
     def counts(self) -> dict[str, Any]:
-        return self.data["kv_checksums"]
+        counts: dict[str, Any] = self.data["kv_checksums"]
+        return counts
 
     @property
     def inner(self) -> KVConnectorStats | None:
@@ -226,15 +229,23 @@ class KVGuardPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._inner = inner
 
-        def counter(name: str, doc: str) -> dict[int, PromMetric]:
+        # vLLM types its counter class (metric_types[Counter]) as any of its
+        # metric classes; it makes counters.
+        def counter(name: str, doc: str) -> dict[int, PromCounter]:
             metric = self._counter_cls(
                 name=name, documentation=doc, labelnames=labelnames
             )
-            return create_metric_per_engine(metric, per_engine_labelvalues)
+            return cast(
+                "dict[int, PromCounter]",
+                create_metric_per_engine(metric, per_engine_labelvalues),
+            )
 
-        def by_reason(name: str, doc: str) -> PromMetric:
-            return self._counter_cls(
-                name=name, documentation=doc, labelnames=[*labelnames, "reason"]
+        def by_reason(name: str, doc: str) -> PromCounter:
+            return cast(
+                "PromCounter",
+                self._counter_cls(
+                    name=name, documentation=doc, labelnames=[*labelnames, "reason"]
+                ),
             )
 
         self._counters = {

@@ -15,12 +15,14 @@ held; held loads with a verdict are released, failed ones as failed loads),
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from engine_patch import checksum_kernel
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.vllm.host import convert_kv_cache_config, kv_layers
 from engine_patch.vllm.metadata import WorkerReport
@@ -141,6 +143,29 @@ class KVGuardWorker:
             sorted(self._block_bytes),
             sorted(self._checksums.skipped_groups),
         )
+        if self._settings.kv_checksums.compile:
+            self._warm_up(self._checksums)
+
+    @staticmethod
+    def _warm_up(checksums: KVChecksumWorker) -> None:
+        """Compile the fused kernel now, while vLLM starts, rather than in the
+        first step that checksums (tens of seconds on a CPU, less with its code
+        cached): into ``$VLLM_CACHE_ROOT/kvguard`` unless
+        ``KVGUARD_CHECKSUM_CACHE_DIR`` names another folder."""
+        import vllm.envs
+
+        if checksum_kernel.cache_dir() is None:
+            checksum_kernel.set_cache_dir(
+                os.path.join(vllm.envs.VLLM_CACHE_ROOT, "kvguard")
+            )
+        start = time.perf_counter()
+        checksums.warm_up()
+        if checksums.compiled:
+            logger.info(
+                "KVGuard compiled its KV checksum kernel in %.1f s (code in %s).",
+                time.perf_counter() - start,
+                checksum_kernel.cache_dir(),
+            )
 
     def begin_step(
         self,

@@ -138,14 +138,18 @@ def request(
     kv_transfer_params: dict[str, Any] | None,
     max_tokens: int = 4,
     block_size: int = BLOCK_SIZE,
+    prompt: list[int] | None = None,
 ) -> Request:
-    """A request of ``num_tokens`` prompt tokens (its own: no prefix in
-    common with another's), with the engine's block hasher."""
+    """A request of ``num_tokens`` prompt tokens, with the engine's block
+    hasher: ``prompt``'s first ones, or its own (no prefix in common with
+    another's)."""
     extra_args = {"kv_transfer_params": kv_transfer_params}
-    rng = random.Random(zlib.crc32(req_id.encode()))
+    if prompt is None:
+        rng = random.Random(zlib.crc32(req_id.encode()))
+        prompt = [rng.randrange(2, 500) for _ in range(num_tokens)]
     return Request(
         request_id=req_id,
-        prompt_token_ids=[rng.randrange(2, 500) for _ in range(num_tokens)],
+        prompt_token_ids=prompt[:num_tokens],
         sampling_params=SamplingParams(
             max_tokens=max_tokens, temperature=0.0, extra_args=extra_args
         ),

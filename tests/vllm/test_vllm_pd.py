@@ -26,10 +26,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from vllm_servers import (
-    EngineSpec,
-    Servers,
-    busy_threads,
+from vllm_client import (
     complete,
     deltas,
     error_message,
@@ -38,6 +35,7 @@ from vllm_servers import (
     stream_text,
     text_of,
 )
+from vllm_servers import WORK_DIR, EngineSpec, Servers, busy_threads
 
 from engine_patch.payload import KVChecksumPayload
 
@@ -51,7 +49,10 @@ pytestmark = [
 MODES = {"scheduler-class": True, "connector-only": False}
 
 KVGUARD_PRODUCER = EngineSpec("producer")
-KVGUARD_CONSUMER = EngineSpec("consumer")  # fail-closed, policy "fail"
+# Fail-closed, policy "fail"; its loads verified with the fused (compiled)
+# checksum kernel, against the producer's eager sums.
+KVGUARD_CONSUMER = EngineSpec("consumer", compile=True)
+COMPILED = "KVGuard compiled its KV checksum kernel"
 PLAIN_PRODUCER = EngineSpec("producer", connector="nixl")
 
 PROMPTS = prompts(12)
@@ -139,6 +140,21 @@ async def through_proxy(
 ) -> tuple[int, Any]:
     return await complete(
         http, proxy_url(servers, mode), prompt, max_tokens=MAX_TOKENS, request_id=rid
+    )
+
+
+async def prefix_cache_hits(
+    http: aiohttp.ClientSession, servers: Servers, mode: str, texts: list[str]
+) -> float:
+    """The tokens the mode's consumer serves from its prefix cache to local
+    requests (no KV load) of ``texts``."""
+    url = consumer_url(servers, mode)
+    before = await metrics(http, url)
+    for text in texts:
+        status, answer = await complete(http, url, text, max_tokens=1)
+        assert status == 200, answer
+    return deltas(await metrics(http, url), before).get(
+        "vllm:prefix_cache_hits_total", 0.0
     )
 
 
@@ -280,6 +296,11 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert change.producer.get("kvguard_kv_checksum_sent_total", 0) >= len(PROMPTS)
     assert change.integrity_retries == 0
     assert_holds(change, mode)
+    # A clean load's KV serves later requests of its prompt.
+    assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
+    # Compiled at startup, into vLLM's cache root (VLLM_CACHE_ROOT).
+    assert servers.engine(f"consumer-{mode}").log_count(COMPILED) == 1
+    assert any((WORK_DIR / "cache" / "kvguard").iterdir())
 
 
 async def test_corrupted_loads_fail_open_are_counted_and_answered(
@@ -303,6 +324,8 @@ async def test_corrupted_loads_fail_open_are_counted_and_answered(
     # Fail-open holds no load for its verdict, in either mode.
     assert change.consumer_count("loads_held") == 0
     assert change.integrity_retries == 0
+    # But a mismatched load's KV never serves another request.
+    assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) == 0
 
 
 async def test_corrupted_load_is_retried_on_another_prefill_and_answers_clean_text(

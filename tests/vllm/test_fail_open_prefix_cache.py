@@ -1,0 +1,109 @@
+"""Fail-open in vLLM 0.32's real scheduler (stepped in process, no workers):
+a load that mismatches its checksums decodes, but no other request ever
+finds its blocks in vLLM's prefix cache, nor the blocks it computes from
+them; a clean load's blocks serve later requests as vLLM's own do.
+
+Loads are of 100 tokens (4 blocks of 32, the last one partial) or of 20
+(inside one block: the first full block is one the request decodes into).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_steps import (
+    BLOCK_SIZE,
+    Workers,
+    block_checksums,
+    consumer_params,
+    kvguard_counts,
+    make_scheduler,
+    request,
+    step,
+    vllm_config,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from engine_patch.vllm.scheduler import KVGuardScheduler
+
+pytestmark = pytest.mark.vllm
+
+# Enough tokens decoded to fill the load's last block and one more.
+MAX_TOKENS = 2 * BLOCK_SIZE
+MODES = {"scheduler-class": KVGuardScheduler, "connector-only": Scheduler}
+
+
+@pytest.fixture(params=list(MODES))
+def scheduler(request: pytest.FixtureRequest) -> Scheduler:
+    """A fail-open consumer in each of KVGuard's modes."""
+    config = vllm_config("kv_consumer", fail_closed=False)
+    return make_scheduler(MODES[request.param], config)
+
+
+def run_load(scheduler: Scheduler, num_tokens: int, corrupt: bool) -> list[int]:
+    """A consumer request's life from its load (corrupted or not) to its
+    last token; its prompt and output tokens.
+
+    Raises:
+        AssertionError: If KVGuard's verdict is not the expected one.
+    """
+    checksums = block_checksums(num_tokens)
+    scheduler.add_request(
+        request(
+            "loaded",
+            num_tokens,
+            consumer_params(num_tokens, checksums),
+            max_tokens=MAX_TOKENS,
+        )
+    )
+    loaded = scheduler.requests["loaded"]
+    step(scheduler)
+    values = checksums.copy()
+    if corrupt:
+        values[-1] ^= np.uint64(1 << 40)
+    _, outputs = step(
+        scheduler,
+        Workers(finished_recving={"loaded"}, checksums={"loaded": values}),
+    )
+    counts = kvguard_counts(outputs)
+    assert counts.get("mismatch", 0) == int(corrupt), counts
+    assert counts.get("verified", 0) == int(not corrupt), counts
+    while "loaded" in scheduler.requests:
+        step(scheduler)
+    # Fail-open: the request decoded all its tokens, whatever the verdict.
+    assert len(loaded.output_token_ids) == MAX_TOKENS
+    return list(loaded.all_token_ids)
+
+
+def cached_tokens(scheduler: Scheduler, tokens: list[int]) -> int:
+    """How many of a new local request's prompt tokens vLLM's prefix cache
+    would serve it."""
+    later = request("later", len(tokens), None, prompt=tokens)
+    _, num_hit_tokens, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
+    return int(num_hit_tokens)
+
+
+def full_blocks(num_tokens: int) -> int:
+    """The tokens of the full blocks a request of ``num_tokens`` can hit
+    (never its last token)."""
+    return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("num_tokens", [100, 20])
+def test_fail_open_a_mismatched_loads_blocks_are_never_found_by_another_request(
+    scheduler: Scheduler, num_tokens: int
+) -> None:
+    tokens = run_load(scheduler, num_tokens, corrupt=True)
+    # The same prompt, and the prompt with the request's output (blocks it
+    # computed from the loaded ones): nothing of it is served from cache.
+    assert cached_tokens(scheduler, tokens[:num_tokens]) == 0
+    assert cached_tokens(scheduler, tokens) == 0
+
+
+@pytest.mark.parametrize("num_tokens", [100, 20])
+def test_fail_open_a_clean_loads_blocks_serve_later_requests(
+    scheduler: Scheduler, num_tokens: int
+) -> None:
+    tokens = run_load(scheduler, num_tokens, corrupt=False)
+    assert cached_tokens(scheduler, tokens[:num_tokens]) == full_blocks(num_tokens)
+    assert cached_tokens(scheduler, tokens) == full_blocks(len(tokens))
