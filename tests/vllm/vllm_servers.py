@@ -206,6 +206,11 @@ class EngineSpec:
     faults: tuple[tuple[str, Any], ...] = ()
     scheduler_class: bool = True
     step_probe: bool = False
+    # Another model than the tiny llama (served under the llama's name, so
+    # requests need no other), its block size and extra environment.
+    model: str | None = None
+    block_size: int = BLOCK_SIZE
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def scheduler_cls(self) -> str | None:
@@ -336,14 +341,16 @@ class VllmServer(Server):
             # The step probe's module is beside this one.
             "PYTHONPATH": os.pathsep.join((str(REPO), str(Path(__file__).parent))),
             "PYTHONUNBUFFERED": "1",
+            **dict(spec.env),
         }
         command = [
             "timeout", str(SERVER_LIFETIME_S),
             VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(ensure_model()),
+            "--model", spec.model or str(ensure_model()),
+            "--served-model-name", str(MODEL_DIR),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--max-model-len", "512",
-            "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
+            "--max-num-seqs", "4", "--block-size", str(spec.block_size),
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             "--enforce-eager",
             "--kv-transfer-config", json.dumps(kv_transfer_config),
