@@ -207,10 +207,12 @@ class EngineSpec:
     scheduler_class: bool = True
     step_probe: bool = False
     # Another model than the tiny llama (served under the llama's name, so
-    # requests need no other), its block size and extra environment.
+    # requests need no other), its block size, extra environment and
+    # arguments.
     model: str | None = None
     block_size: int = BLOCK_SIZE
     env: tuple[tuple[str, str], ...] = ()
+    args: tuple[str, ...] = ()
 
     @property
     def scheduler_cls(self) -> str | None:
@@ -354,6 +356,7 @@ class VllmServer(Server):
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             "--enforce-eager",
             "--kv-transfer-config", json.dumps(kv_transfer_config),
+            *spec.args,
         ]  # fmt: skip
         if spec.connector != "nixl":
             command += ["--middleware", MIDDLEWARE]
