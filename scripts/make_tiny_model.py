@@ -1,7 +1,9 @@
 """Make a tiny random Llama model and its tokenizer in a local folder, for
 running real vLLM on CPU without the hub (``vllm_cpu.md``).
 
-Usage: ``python scripts/make_tiny_model.py DIR [--head-dim 32]``. Deterministic
+Usage: ``python scripts/make_tiny_model.py DIR [--head-dim 32]
+[--sliding-window W]`` (W: layer 0 attends to a sliding window of W tokens,
+layer 1 to everything, like Gemma's alternating pattern). Deterministic
 (fixed seeds), so two runs make the same weights. Needs torch, tokenizers and
 transformers: vLLM's environment has them.
 """
@@ -51,13 +53,22 @@ def make_tokenizer(out: Path, vocab_size: int) -> int:
     return len(fast)
 
 
-def make_model(out: Path, vocab_size: int, head_dim: int) -> None:
-    """Save a random bf16 LlamaForCausalLM (2 layers, 4 heads, 2 KV heads)."""
+def make_model(
+    out: Path, vocab_size: int, head_dim: int, sliding_window: int | None = None
+) -> None:
+    """Save a random bf16 LlamaForCausalLM (2 layers, 4 heads, 2 KV heads),
+    its first layer windowed if ``sliding_window`` is given."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     num_heads = 4
+    window: dict[str, object] = {}
+    if sliding_window is not None:
+        window = {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": sliding_window,
+        }
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=num_heads * head_dim,
@@ -71,6 +82,7 @@ def make_model(out: Path, vocab_size: int, head_dim: int) -> None:
         eos_token_id=1,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
+        **window,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     # Larger than default init, so greedy decoding depends on the whole context
@@ -91,10 +103,11 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--head-dim", type=int, default=32, choices=(32, 64))
     parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--sliding-window", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(args.out, args.vocab_size)
-    make_model(args.out, vocab, args.head_dim)
+    make_model(args.out, vocab, args.head_dim, args.sliding_window)
     print(f"tiny model in {args.out} (vocab {vocab}, head_dim {args.head_dim})")
 
 

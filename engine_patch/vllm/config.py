@@ -69,11 +69,15 @@ class FaultSettings(_Settings):
     bit of each chosen load's KV after it finishes and before its checksum.
 
     ``loads``: ``"all"``, ``"every_other"`` (the first, third, ...) or
-    ``"first"`` (the first ``count``).
+    ``"first"`` (the first ``count``). ``layers``: the kind of layer whose
+    KV (or state) gets the bit, named as the checksum's spec types
+    (``"full_attention"``, ``"sliding_window"``, ``"mamba"``); ``"any"``:
+    the first loaded group's.
     """
 
     loads: Literal["all", "every_other", "first"] = "all"
     count: int = Field(default=1, ge=0)
+    layers: Literal["any", "full_attention", "sliding_window", "mamba"] = "any"
 
     def corrupts(self, load_number: int) -> bool:
         """Whether the ``load_number``-th load (from 1) is corrupted."""

@@ -1,12 +1,14 @@
 """``KVGuardFaultInjectionConnector``: KVGuardConnector that corrupts loaded
 KV on purpose, for tests and demos of what KVGuard catches.
 
-It flips one bit of each chosen load's KV after the inner connector finishes
-the load and before KVGuard checksums it, as a bad link, NIC or buggy
-transfer kernel would. Chosen by ``kv_connector_extra_config``::
+It flips one bit of each chosen load's KV (or a state layer's state) after
+the inner connector finishes the load and before KVGuard checksums it, as a
+bad link, NIC or buggy transfer kernel would. Chosen by
+``kv_connector_extra_config``::
 
     "fault_injection": {"loads": "every_other"}   # or "all", or
     "fault_injection": {"loads": "first", "count": 3}
+    "fault_injection": {"loads": "all", "layers": "mamba"}  # states only
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from engine_patch.types import KVChecksumBlocks
 from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.worker_side import KVGuardWorker
+from engine_patch.worker import AnyLayer, KVStateLayer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,6 +42,23 @@ def flip_bit(kv: torch.Tensor, block_id: int) -> None:
     ``[blocks, heads, tokens, content]`` KV tensor, in place."""
     element = kv[block_id, 0, 0, :1]
     element.view(torch.uint8)[-1] ^= _FLIP_MASK
+
+
+def flip_state_bit(state: torch.Tensor, block_id: int) -> None:
+    """Flip the top bit of the first element of block ``block_id``'s state
+    (a ``[blocks, ...]`` state tensor), in place."""
+    element = state[block_id]
+    while element.dim() > 1:
+        element = element[0]
+    element[:1].view(torch.uint8)[-1] ^= _FLIP_MASK
+
+
+def _corrupt(layer: AnyLayer, block_id: int) -> None:
+    """Flip a bit of ``layer``'s KV, or first state, in block ``block_id``."""
+    if isinstance(layer, KVStateLayer):
+        flip_state_bit(layer.states[0].state, block_id)
+    else:
+        flip_bit(layer.kv, block_id)
 
 
 class FaultInjectingWorker(KVGuardWorker):
@@ -62,11 +82,16 @@ class FaultInjectingWorker(KVGuardWorker):
                 continue
             for group_id, (start, block_ids) in sorted(blocks.groups.items()):
                 layer = next(
-                    (layer for layer in self.layers if layer.group_id == group_id),
+                    (
+                        layer
+                        for layer in self.layers
+                        if layer.group_id == group_id
+                        and self._faults.layers in ("any", layer.spec_type)
+                    ),
                     None,
                 )
                 if layer is not None and block_ids:
-                    flip_bit(layer.kv, block_ids[0])
+                    _corrupt(layer, block_ids[0])
                     logger.warning(
                         "Fault injection: flipped a bit of the KV load of request "
                         "%s (load %d, layer %s, block position %d).",

@@ -17,7 +17,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource as VllmCacheHitSourc
 
 from engine_patch import kv_cache
 from engine_patch.host import CacheHitSource
-from engine_patch.worker import KVLayer, KVLayout
+from engine_patch.vllm import states
+from engine_patch.worker import AnyLayer, KVLayer, KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,25 +47,60 @@ def spec_type(spec: vllm_specs.KVCacheSpec) -> str:
         return "sliding_window"
     if isinstance(spec, vllm_specs.MLAAttentionSpec):
         return "mla"
+    if isinstance(spec, vllm_specs.MambaSpec):
+        return "mamba"
     return "full_attention"
 
 
-def _convert_spec(spec: vllm_specs.KVCacheSpec) -> kv_cache.KVCacheSpec | None:
+def _tp(vllm_config: VllmConfig | None) -> tuple[int, int | None]:
+    """The TP size and the model's Mamba2 group count (1 and None without a
+    config)."""
+    if vllm_config is None:
+        return 1, None
+    return (
+        vllm_config.parallel_config.tensor_parallel_size,
+        states.model_n_groups(vllm_config),
+    )
+
+
+def _convert_spec(
+    spec: vllm_specs.KVCacheSpec, vllm_config: VllmConfig | None
+) -> kv_cache.KVCacheSpec | None:
     """engine_patch's spec of a vLLM spec, or None if checksums do not cover
-    it: state (Mamba) layers, whose vLLM tensors are not one KV tensor per
-    layer, and attention kinds whose blocks P/D connectors move differently."""
+    it: attention kinds whose blocks P/D connectors move differently, and
+    state kinds other than :data:`states.SUPPORTED_STATE_TYPES`.
+
+    A state group's TP splits are known (``state_splits``: each state split
+    along dim 0) where :func:`states.state_shards` places the shares; without
+    ``vllm_config`` they are taken as unknown (only peers of one TP size
+    compare)."""
     if isinstance(spec, vllm_specs.SlidingWindowSpec):
         return kv_cache.SlidingWindowSpec(spec.block_size, spec.sliding_window)
     if type(spec) in (vllm_specs.FullAttentionSpec, vllm_specs.MLAAttentionSpec):
         return kv_cache.FullAttentionSpec(spec.block_size)
+    if type(spec) is vllm_specs.MambaSpec and states.is_supported(spec):
+        splits = None
+        if vllm_config is not None:
+            tp_size, n_groups = _tp(vllm_config)
+            if states.state_shards(spec, tp_size, 0, n_groups) is not None:
+                splits = (0,) * len(spec.shapes)
+        return kv_cache.MambaSpec(
+            spec.block_size,
+            spec.num_speculative_blocks,
+            state_splits=splits,
+            tp_replicated=spec.tp_replicated,
+        )
     return None
 
 
 def convert_kv_cache_config(
-    config: vllm_specs.KVCacheConfig, *, fail_closed: bool
+    config: vllm_specs.KVCacheConfig,
+    *,
+    fail_closed: bool,
+    vllm_config: VllmConfig | None = None,
 ) -> kv_cache.KVCacheConfig:
     """The groups the checksums cover: vLLM's transfer groups of supported
-    kinds.
+    kinds (``vllm_config``: see :func:`_convert_spec`).
 
     Raises:
         UnsupportedKVCacheError: Under fail-closed, if a transfer group is of
@@ -75,7 +111,7 @@ def convert_kv_cache_config(
     groups: list[kv_cache.KVCacheGroup] = []
     covered: list[int] = []
     for group_id, group in enumerate(config.kv_cache_groups):
-        spec = _convert_spec(group.kv_cache_spec)
+        spec = _convert_spec(group.kv_cache_spec, vllm_config)
         # Placeholder for uncovered groups: never scheduled.
         groups.append(
             kv_cache.KVCacheGroup(
@@ -192,12 +228,13 @@ def kv_layers(
     *,
     covered_groups: Set[int],
     tp_rank: int,
-) -> list[KVLayer]:
+) -> list[AnyLayer]:
     """The registered KV tensors of the covered groups as checksum layers.
 
     vLLM 0.32 hands each attention layer a view whose logical shape is
     ``[blocks, heads, block_size, content]`` (content: K then V, or MLA's
-    latent) with any strides: :attr:`KVLayout.PACKED_HND`.
+    latent) with any strides: :attr:`KVLayout.PACKED_HND`; each state layer
+    ``[blocks, 1, 1, page bytes]`` int8 pages (:func:`states.state_layer`).
 
     Raises:
         UnsupportedKVCacheError: If a covered layer's tensor is missing or
@@ -208,10 +245,34 @@ def kv_layers(
     from vllm.model_executor.models.utils import extract_layer_index
 
     total_num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    layers: list[KVLayer] = []
+    tp_size, n_groups = _tp(vllm_config)
+    layers: list[AnyLayer] = []
     for group_id in sorted(covered_groups):
         group = kv_cache_config.kv_cache_groups[group_id]
         spec = group.kv_cache_spec
+        if isinstance(spec, vllm_specs.MambaSpec):
+            shards = states.state_shards(spec, tp_size, tp_rank, n_groups)
+            for name in group.layer_names:
+                pages = kv_caches.get(name)
+                if pages is None:
+                    raise UnsupportedKVCacheError(
+                        f"layer {name} registered no state cache"
+                    )
+                try:
+                    layer = states.state_layer(
+                        name,
+                        extract_layer_index(name),
+                        group_id,
+                        pages,
+                        spec,
+                        shards,
+                        tp_size=tp_size,
+                        tp_rank=tp_rank,
+                    )
+                except ValueError as e:
+                    raise UnsupportedKVCacheError(f"layer {name}: {e}") from e
+                layers.append(layer)
+            continue
         assert isinstance(spec, vllm_specs.AttentionSpec)
         head_offset, replicas, replica_index = _layer_coordinates(
             vllm_config, spec, tp_rank

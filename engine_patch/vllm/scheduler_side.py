@@ -124,7 +124,9 @@ class KVGuardSchedulerSide:
         self._num_workers = config.tp_size * config.pp_size
         self._checksums = KVChecksumScheduler.create(
             config,
-            convert_kv_cache_config(kv_cache_config, fail_closed=config.fail_closed),
+            convert_kv_cache_config(
+                kv_cache_config, fail_closed=config.fail_closed, vllm_config=vllm_config
+            ),
             ConnectorHooks(inner),
         )
         self._kv_cache_manager: KVCacheManager | None = None

@@ -26,7 +26,7 @@ from engine_patch import checksum_kernel
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.vllm.host import convert_kv_cache_config, kv_layers
 from engine_patch.vllm.metadata import WorkerReport
-from engine_patch.worker import KVChecksumWorker, KVLayer
+from engine_patch.worker import AnyLayer, KVChecksumWorker, KVLayer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,18 +53,25 @@ def _enable_amx() -> None:
         torch._C._cpu._init_amx()
 
 
-def _block_bytes(layers: Iterable[KVLayer]) -> dict[int, int]:
-    """Per group, the bytes of one block over its distinct KV tensors."""
+def _block_bytes(layers: Iterable[AnyLayer]) -> dict[int, int]:
+    """Per group, the bytes of one block over its distinct KV (or state)
+    tensors."""
     seen: set[tuple[int, int]] = set()
     sizes: dict[int, int] = {}
     for layer in layers:
-        key = (layer.kv.untyped_storage().data_ptr(), int(layer.kv.storage_offset()))
-        if key in seen:
-            continue
-        seen.add(key)
-        sizes[layer.group_id] = (
-            sizes.get(layer.group_id, 0) + layer.kv[0].numel() * layer.kv.element_size()
+        tensors = (
+            [layer.kv]
+            if isinstance(layer, KVLayer)
+            else [state.state for state in layer.states]
         )
+        for tensor in tensors:
+            key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+            if key in seen:
+                continue
+            seen.add(key)
+            sizes[layer.group_id] = (
+                sizes.get(layer.group_id, 0) + tensor[0].numel() * tensor.element_size()
+            )
     return sizes
 
 
@@ -86,10 +93,10 @@ class KVGuardWorker:
         # in each step's metadata (None before the first).
         self._hold: bool | None = None
         self._covered = convert_kv_cache_config(
-            kv_cache_config, fail_closed=config.fail_closed
+            kv_cache_config, fail_closed=config.fail_closed, vllm_config=vllm_config
         ).transfer_group_ids
         self._checksums: KVChecksumWorker | None = None
-        self._layers: list[KVLayer] = []
+        self._layers: list[AnyLayer] = []
         self._block_bytes: dict[int, int] = {}
         # Loads the scheduler asked to checksum, by request id: their blocks.
         self._loads: dict[str, KVChecksumBlocks] = {}
@@ -107,8 +114,8 @@ class KVGuardWorker:
             _enable_amx()
 
     @property
-    def layers(self) -> list[KVLayer]:
-        """The KV layers checksummed (empty before registration)."""
+    def layers(self) -> list[AnyLayer]:
+        """The KV and state layers checksummed (empty before registration)."""
         return self._layers
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -137,10 +144,13 @@ class KVGuardWorker:
             pp_rank=get_pp_group().rank_in_group,
             compile=self._settings.kv_checksums.compile,
         )
+        kinds: dict[int, str] = {
+            layer.group_id: layer.spec_type for layer in self._layers
+        }
         logger.info(
             "KVGuard checksums %d KV layers (groups %s; skipped %s).",
             len(self._layers),
-            sorted(self._block_bytes),
+            ", ".join(f"{g}: {kind}" for g, kind in sorted(kinds.items())),
             sorted(self._checksums.skipped_groups),
         )
         if self._settings.kv_checksums.compile:

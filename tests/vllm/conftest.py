@@ -40,6 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: needs real vLLM (make test-vllm)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a model of their own (``OWN_MODEL``) run last: they stop
+    the tiny llama's instances, which then start once."""
+    items.sort(
+        key=lambda item: getattr(getattr(item, "module", None), "OWN_MODEL", False)
+    )
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The vLLM servers' startup times (launch to /health)."""
     if importlib.util.find_spec("vllm") is None:

@@ -15,7 +15,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
 )
-from vllm_servers import MIDDLEWARE, WORK_DIR, EngineSpec, VllmServer, free_port
+from vllm_servers import MIDDLEWARE, WORK_DIR, EngineSpec, VllmServer
 
 from engine_patch.vllm import errors
 from engine_patch.vllm.config import (
@@ -26,6 +26,7 @@ from engine_patch.vllm.config import (
 )
 from engine_patch.vllm.fault import flip_bit
 from engine_patch.vllm.stats import KVGuardConnectorStats
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -14,9 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,8 @@ from typing import Any, Literal
 
 import aiohttp
 from vllm_client import MODEL_NAME, REQUEST_TIMEOUT_S, complete
+
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # The Python of vLLM's environment (the tests' own by default).
@@ -61,46 +61,6 @@ def ensure_model() -> Path:
             timeout=300,
         )
     return MODEL_DIR
-
-
-# Ports handed out by free_port in this process.
-_PORTS: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's range for outgoing connections."""
-    try:
-        return int(
-            Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
-        )
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, and not handed out before here.
-
-    Chosen below the range the kernel takes outgoing connections' local
-    ports from: a server binds its ports (NIXL's side channel) a minute or
-    more after they are chosen, and a port chosen in that range was seen
-    taken by then ("Address already in use").
-
-    Raises:
-        RuntimeError: If no free port is found.
-    """
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(10000, _ephemeral_low())
-        if port in _PORTS:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _PORTS.add(port)
-        return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def _group_pids(pgid: int) -> list[int]:
@@ -206,6 +166,13 @@ class EngineSpec:
     faults: tuple[tuple[str, Any], ...] = ()
     scheduler_class: bool = True
     step_probe: bool = False
+    # Another model than the tiny llama (served under the llama's name, so
+    # requests need no other), its block size, extra environment and
+    # arguments.
+    model: str | None = None
+    block_size: int = BLOCK_SIZE
+    env: tuple[tuple[str, str], ...] = ()
+    args: tuple[str, ...] = ()
 
     @property
     def scheduler_cls(self) -> str | None:
@@ -337,18 +304,20 @@ class VllmServer(Server):
             # The step probe's module is beside this one.
             "PYTHONPATH": os.pathsep.join((str(REPO), str(Path(__file__).parent))),
             "PYTHONUNBUFFERED": "1",
+            **dict(spec.env),
         }
         command = [
             "timeout", str(SERVER_LIFETIME_S),
             VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(ensure_model()),
+            "--model", spec.model or str(ensure_model()),
             "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--max-model-len", "512",
-            "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
+            "--max-num-seqs", "4", "--block-size", str(spec.block_size),
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             "--enforce-eager",
             "--kv-transfer-config", json.dumps(kv_transfer_config),
+            *spec.args,
         ]  # fmt: skip
         if spec.connector != "nixl":
             command += ["--middleware", MIDDLEWARE]
