@@ -7,9 +7,10 @@ import logging
 
 
 def use_vllm_handlers() -> None:
-    """Give the ``engine_patch`` logger vLLM's handlers and level, once per
-    process (vLLM configures only its own ``vllm`` logger)."""
-    ours = logging.getLogger("engine_patch")
+    """Give the ``kvguard`` logger, under which every engine_patch module
+    logs, vLLM's handlers and level, once per process (vLLM configures only
+    its own ``vllm`` logger)."""
+    ours = logging.getLogger("kvguard")
     vllm = logging.getLogger("vllm")
     if ours.handlers or not vllm.handlers:
         return

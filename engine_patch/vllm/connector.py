@@ -20,7 +20,6 @@ The workers learn the mode from each step's metadata (``hold_loads``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -48,6 +47,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
+from engine_patch.log import get_logger
 from engine_patch.vllm._logging import use_vllm_handlers
 from engine_patch.vllm.config import (
     KVGuardConfigError,
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Set on KVGuard's scheduler classes: they verify loads in the connector's
 # stead (engine_patch.vllm.scheduler).

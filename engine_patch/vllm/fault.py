@@ -13,12 +13,12 @@ bad link, NIC or buggy transfer kernel would. Chosen by
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine_patch.log import get_logger
 from engine_patch.types import KVChecksumBlocks
 from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.worker_side import KVGuardWorker
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from engine_patch.vllm.config import FaultSettings, KVGuardSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The bit flipped: the top bit of the first KV element of the load (the sign
 # of a float's K), in the first token of its first block, first head.

@@ -6,7 +6,6 @@ registers as :class:`engine_patch.worker.KVLayer`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource as VllmCacheHitSourc
 
 from engine_patch import kv_cache
 from engine_patch.host import CacheHitSource
+from engine_patch.log import get_logger
 from engine_patch.vllm import states
 from engine_patch.worker import AnyLayer, KVLayer, KVLayout
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # vLLM's cache tiers as the checksum scheduler's sources. A connector that
 # does not label its hits is a P/D connector here: KVGuard wraps those.

@@ -18,12 +18,12 @@ verifies is schedulable in the next step, as without KVGuard.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from engine_patch.log import get_logger
 from engine_patch.vllm._logging import use_vllm_handlers
 from engine_patch.vllm.connector import SAME_STEP_VERDICTS_ATTR, KVGuardConnector
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.outputs import ModelRunnerOutput
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class _SameStepVerdicts(Scheduler):

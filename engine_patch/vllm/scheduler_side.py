@@ -32,13 +32,13 @@ checks; only the calls that do work are timed into ``scheduler_seconds``.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from engine_patch.types import KVChecksumScheduled
     from engine_patch.vllm.config import KVGuardSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")

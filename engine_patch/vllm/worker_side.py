@@ -14,7 +14,6 @@ held; held loads with a verdict are released, failed ones as failed loads),
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from engine_patch import checksum_kernel
+from engine_patch.log import get_logger
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.vllm.host import convert_kv_cache_config, kv_layers
 from engine_patch.vllm.metadata import WorkerReport
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from engine_patch.vllm.config import KVGuardSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _T = TypeVar("_T")
 
