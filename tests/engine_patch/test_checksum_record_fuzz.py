@@ -330,9 +330,11 @@ def _same_kind(old: Any, new: Any) -> bool:
     return type(new) is type(old)
 
 
-def apply(records: list[Any], index: int, where: tuple[Any, ...], value: Any) -> bool:
-    """Put ``value`` there; whether it is of another kind than what it
-    replaces (then the load must not verify)."""
+def apply(
+    records: list[Any], index: int, where: tuple[Any, ...], value: Any
+) -> tuple[Any, Any] | None:
+    """Put ``value`` there; what it replaced and what is there now, or None
+    where the change cannot make the load unverifiable."""
     record = records[index]
     kind = where[0]
     if kind == "record":
@@ -344,7 +346,7 @@ def apply(records: list[Any], index: int, where: tuple[Any, ...], value: Any) ->
         setattr(group, where[2], value)
         if where[2] == "stored":
             # Only loads of offloaded KV use them; this is a P2P load.
-            return False
+            return None
     elif kind == "group":
         old = record.checksums["c"][where[1]]
         record.checksums["c"][where[1]] = value
@@ -361,13 +363,13 @@ def apply(records: list[Any], index: int, where: tuple[Any, ...], value: Any) ->
         group = record.checksums["c"][0]
         if isinstance(value, int) and not isinstance(value, bool):
             group.values[0, 0] = np.uint64(value % 2**64)
-            return False
+            return None
         old, group.values = group.values, np.asarray(group.values, dtype=object)
         value = group.values
     else:
         old = record
         records[index] = value
-    return not _same_kind(old, value)
+    return old, value
 
 
 @FUZZ
@@ -377,15 +379,21 @@ def test_any_record_is_an_outcome_never_an_exception(
 ) -> None:
     load = clean_load(fail_closed)
     records: list[Any] = copy.deepcopy(load.records)
-    # Per place changed, whether what is there now is of another kind: a
-    # later change to the same place may put back a value of the right kind.
-    other_kind: dict[tuple[int, tuple[Any, ...]], bool] = {}
+    # Per place changed, what was there first and what is there now: a later
+    # change to the same place may put back a value of the original kind.
+    changed: dict[tuple[int, tuple[Any, ...]], tuple[Any, Any]] = {}
     for index, where, value in changes:
         # Later changes may land in what an earlier one replaced.
         try:
-            other_kind[index, where] = apply(records, index, where, value)
+            swap = apply(records, index, where, value)
         except (AttributeError, KeyError, IndexError, TypeError):
             continue
+        if swap is not None:
+            first = changed.get((index, where), swap)[0]
+            changed[index, where] = (first, swap[1])
+    other_kind = {
+        place: not _same_kind(first, now) for place, (first, now) in changed.items()
+    }
     failed = load.finish(records)
     result = outcome(load.scheduler)
     assert result != R.INTERNAL
