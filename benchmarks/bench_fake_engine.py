@@ -59,16 +59,8 @@ from engine_patch.worker import KVChecksumWorker
 from fake_engine.config import Role
 from fake_engine.engine import Engine
 from fake_engine.testing import EngineSpec, fake_engines
+from proxy.body import PREFILL_KV_PARAMS
 
-# What a proxy adds to the prefill's body.
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 COMPLETIONS = "/v1/completions"
 METRICS = ("prefill", "decode TTFT", "P/D TTFT")
 PHASES = ("off", "on")
@@ -139,7 +131,7 @@ async def pd_request(
     body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True}
     async with session.post(
         prefill_url + COMPLETIONS,
-        json={**body, "kv_transfer_params": PREFILL_PARAMS},
+        json={**body, "kv_transfer_params": PREFILL_KV_PARAMS},
     ) as response:
         answer = msgspec.json.decode(await response.read())
         if response.status != 200:

@@ -38,6 +38,7 @@ from vllm_client import (
 from vllm_servers import WORK_DIR, EngineSpec, Servers, busy_threads
 
 from engine_patch.payload import KVChecksumPayload
+from proxy.body import PREFILL_KV_PARAMS
 
 pytestmark = [
     pytest.mark.vllm,
@@ -120,14 +121,7 @@ async def prefill(
         prompt,
         max_tokens=1,
         request_id=request_id,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        kv_transfer_params=PREFILL_KV_PARAMS,
     )
     assert status == 200, answer
     params = answer["kv_transfer_params"]
