@@ -32,7 +32,8 @@ from own_model_pair import (
     stop_pair,
     through_proxy,
 )
-from vllm_servers import WORK_DIR, EngineSpec, Servers, complete, prompts
+from vllm_client import complete, prompts
+from vllm_servers import WORK_DIR, EngineSpec, Servers
 
 from engine_patch.payload import KVChecksumPayload
 

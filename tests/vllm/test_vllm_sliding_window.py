@@ -39,16 +39,8 @@ from own_model_pair import (
     start_pair,
     stop_pair,
 )
-from vllm_servers import (
-    WORK_DIR,
-    EngineSpec,
-    Servers,
-    complete,
-    deltas,
-    error_message,
-    metrics,
-    prompts,
-)
+from vllm_client import complete, deltas, error_message, metrics, prompts
+from vllm_servers import WORK_DIR, EngineSpec, Servers
 
 from engine_patch.payload import KVChecksumPayload
 
