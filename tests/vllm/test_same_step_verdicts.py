@@ -65,9 +65,9 @@ def load_finishes(loaded: np.ndarray, req_id: str = "r1") -> Workers:
 @pytest.fixture
 def mode_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     # KVGuard logs through vLLM's handlers, not the root logger's.
-    logger = logging.getLogger("engine_patch.vllm")
+    logger = logging.getLogger("kvguard.engine_patch.vllm")
     logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, "engine_patch.vllm")
+    caplog.set_level(logging.INFO, "kvguard.engine_patch.vllm")
     try:
         yield caplog
     finally:
