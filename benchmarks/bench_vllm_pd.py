@@ -2,8 +2,8 @@
 three phases against each other, in the same run, and the scheduler-side
 cost per request.
 
-Phases, each a producer and a consumer instance (all six up at once, so
-that every phase sees the same machine):
+Phases, each a producer and a consumer instance (started a pair at a
+time, then all six up, so that every phase sees the same machine):
 
 - ``off``: plain NixlConnector on both;
 - ``on``: KVGuardConnector (fail-closed) around it, the connector only;
@@ -51,8 +51,11 @@ from typing import Any
 
 import aiohttp
 
-TESTS = Path(__file__).resolve().parents[1] / "tests" / "vllm"
-sys.path.insert(0, str(TESTS))
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests" / "vllm"
+# The servers and client helpers live with the real-vLLM tests, and import
+# tests.support from the repository root.
+sys.path[:0] = [str(TESTS), str(ROOT)]
 
 from vllm_client import MODEL_NAME, complete, metrics, prompts  # noqa: E402
 from vllm_servers import STARTUPS, EngineSpec, Servers, ensure_model  # noqa: E402
@@ -173,12 +176,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector) as http:
         servers = Servers(http)
         try:
-            specs = {}
+            # A pair at a time: six vLLM instances starting at once on two
+            # cores take longer each than a start may.
             for phase in phases:
                 producer, consumer = phase_specs(phase)
-                specs[f"{phase}-producer"] = producer
-                specs[f"{phase}-consumer"] = consumer
-            await servers.use(specs)
+                await servers.use(
+                    {f"{phase}-producer": producer, f"{phase}-consumer": consumer}
+                )
             for phase in phases:
                 for i, prompt in enumerate(warmup):
                     await pd_request(http, servers, phase, prompt, f"{phase}-w{i}")

@@ -1,6 +1,7 @@
 """Real vLLM servers (CPU, tiny local model) and KVGuard proxies for the
-tests and benchmarks: started under ``timeout``, in their own session, on
-free ports, stopped by PID. (What the tests send them: ``vllm_client``.)
+tests and benchmarks: started under ``timeout``, each in its own process
+group (not session: see :func:`nice_busy_pollers`), on free ports, stopped
+by PID. (What the tests send them: ``vllm_client``.)
 
 :class:`Servers` keeps named vLLM instances up across tests and restarts
 only those whose configuration a test changes (the machines have two cores:
@@ -121,6 +122,12 @@ def nice_busy_pollers(pgid: int) -> list[str]:
     load an engine step, hence a prefill or a proxy start, stalls for
     seconds up to ~30 s. At nice 19 the thread still polls whenever a core
     has nothing else to run. (vLLM's CPU guidance reserves a core for NIXL.)
+
+    Nice values weigh threads against each other only within one
+    scheduling autogroup, which Linux makes per session: the servers are
+    therefore started in the caller's session (their own process group
+    only). Each in a new session, four idle instances' pollers at nice 19
+    still took four times the CPU of a starting instance's nice-0 threads.
 
     Returns:
         What was lowered, for the startup summary.
@@ -332,7 +339,7 @@ class VllmServer(Server):
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    process_group=0,
                 )
             )
         self.started_s = time.monotonic()
@@ -416,7 +423,7 @@ class ProxyServer(Server):
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    process_group=0,
                 )
             )
 
