@@ -166,15 +166,8 @@ class EngineServer:
             max_tokens,
             aliases=(base, response_id, f"{response_id}-0"),
         )
-        builder = ResponseBuilder(
-            chat=False,
-            response_id=response_id,
-            model=self.model_name,
-            prompt_token_ids=prompt_ids,
-            return_token_ids=bool(body.return_token_ids),
-            continuous_usage=body.continuous_usage,
-            include_usage=body.include_usage,
-            echo=decode(prompt_ids) if body.echo else "",
+        builder = self._builder(
+            body, response_id, prompt_ids, echo=decode(prompt_ids) if body.echo else ""
         )
         return await self._respond(request, engine_request, builder, bool(body.stream))
 
@@ -209,15 +202,7 @@ class EngineServer:
             max_tokens,
             aliases=(base, response_id),
         )
-        builder = ResponseBuilder(
-            chat=True,
-            response_id=response_id,
-            model=self.model_name,
-            prompt_token_ids=prompt_ids,
-            return_token_ids=bool(body.return_token_ids),
-            continuous_usage=body.continuous_usage,
-            include_usage=body.include_usage,
-        )
+        builder = self._builder(body, response_id, prompt_ids)
         return await self._respond(request, engine_request, builder, bool(body.stream))
 
     @property
@@ -426,6 +411,26 @@ class EngineServer:
             ),
             kv_transfer_params=dict(params) if params is not None else None,
             aliases=aliases,
+        )
+
+    def _builder(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        response_id: str,
+        prompt_ids: list[int],
+        *,
+        echo: str = "",
+    ) -> ResponseBuilder:
+        """The response's builder, in the request's API (chat or completions)."""
+        return ResponseBuilder(
+            chat=isinstance(body, ChatCompletionRequest),
+            response_id=response_id,
+            model=self.model_name,
+            prompt_token_ids=prompt_ids,
+            return_token_ids=bool(body.return_token_ids),
+            continuous_usage=body.continuous_usage,
+            include_usage=body.include_usage,
+            echo=echo,
         )
 
     def _submit(self, engine_request: EngineRequest) -> RequestError | None:

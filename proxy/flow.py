@@ -630,16 +630,7 @@ class Flow:
                 body = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
         except ReplyTooLarge as exc:
-            st.metrics.upstream_failures.labels(
-                "prefill", prefill.url, "prefill_reply_too_large"
-            ).inc()
-            return Failure(
-                "prefill_reply_too_large",
-                f"prefill {exc}",
-                "prefill",
-                answered=True,
-                instance=prefill,
-            )
+            return self._answered("prefill_reply_too_large", f"prefill {exc}", prefill)
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
@@ -651,29 +642,17 @@ class Flow:
         if 400 <= status < 500:
             return _passthrough(status, body, content_type, req.request_id)
         if status >= 300:
-            st.metrics.upstream_failures.labels(
-                "prefill", prefill.url, "prefill_5xx"
-            ).inc()
-            return Failure(
+            return self._answered(
                 "prefill_5xx",
                 f"HTTP {status}: {_snippet(body)}",
-                "prefill",
-                answered=True,
-                instance=prefill,
+                prefill,
                 status=status if status >= 500 else 502,
             )
         try:
             kv_params = kv_params_of(body)
         except msgspec.DecodeError:
-            st.metrics.upstream_failures.labels(
-                "prefill", prefill.url, "prefill_bad_reply"
-            ).inc()
-            return Failure(
-                "prefill_bad_reply",
-                "prefill reply is not a JSON object",
-                "prefill",
-                answered=True,
-                instance=prefill,
+            return self._answered(
+                "prefill_bad_reply", "prefill reply is not a JSON object", prefill
             )
         st.health.note(prefill, ok=True)
         return Prefilled(kv_params)
@@ -707,16 +686,8 @@ class Flow:
                 data = await read_capped(resp, req.config.limits.max_reply_bytes)
                 content_type = resp.headers.get("Content-Type", "application/json")
         except ReplyTooLarge as exc:
-            st.metrics.upstream_failures.labels(
-                "decode", decode.url, "decode_reply_too_large"
-            ).inc()
-            return Failure(
-                "decode_reply_too_large",
-                f"decode {exc}",
-                "decode",
-                answered=True,
-                instance=decode,
-                prefill=attempt.prefill,
+            return self._answered(
+                "decode_reply_too_large", f"decode {exc}", decode, attempt.prefill
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             return self._decode_transport_failure(decode, exc, timeout)
@@ -800,15 +771,7 @@ class Flow:
         resp.close()
         if verdict.kind is First.ERROR:
             return self._decode_error(attempt, 200, verdict.message.encode())
-        st.metrics.upstream_failures.labels("decode", decode.url, "decode_empty").inc()
-        return Failure(
-            "decode_empty",
-            verdict.message,
-            "decode",
-            answered=True,
-            instance=decode,
-            prefill=attempt.prefill,
-        )
+        return self._answered("decode_empty", verdict.message, decode, attempt.prefill)
 
     async def _collect(
         self, req: _Request, attempt: Attempt, first: FirstData
@@ -1042,16 +1005,11 @@ class Flow:
         except (msgspec.DecodeError, RecursionError):
             chunk = None
         if not isinstance(chunk, dict):
-            self.state.metrics.upstream_failures.labels(
-                "decode", attempt.decode.url, "decode_bad_reply"
-            ).inc()
-            return Failure(
+            return self._answered(
                 "decode_bad_reply",
                 "decode stream event is not a JSON object",
-                "decode",
-                answered=True,
-                instance=attempt.decode,
-                prefill=attempt.prefill,
+                attempt.decode,
+                attempt.prefill,
             )
         reply.feed(chunk)
         return None
@@ -1076,16 +1034,37 @@ class Flow:
                     st.on_ejection(ejection)
             return Failure("kv_integrity", message, "decode")
         reason = "decode_error_event" if status == 200 else "decode_5xx"
-        st.metrics.upstream_failures.labels("decode", decode.url, reason).inc()
         prefix = "error event" if status == 200 else f"HTTP {status}"
-        return Failure(
+        return self._answered(
             reason,
             f"{prefix}: {message}",
-            "decode",
-            answered=True,
-            instance=decode,
-            prefill=prefill,
+            decode,
+            prefill,
             status=status if status >= 500 else 500,
+        )
+
+    def _answered(
+        self,
+        reason: str,
+        message: str,
+        instance: Instance,
+        prefill: Instance | None = None,
+        *,
+        status: int = 502,
+    ) -> Failure:
+        """A failure ``instance`` answered (its leg: the role of ``reason``),
+        counted in the upstream failures; against the instance only later
+        (see :class:`Failure`). ``prefill`` is a decode's KV source."""
+        role = "prefill" if reason.startswith("prefill") else "decode"
+        self.state.metrics.upstream_failures.labels(role, instance.url, reason).inc()
+        return Failure(
+            reason,
+            message,
+            role,
+            answered=True,
+            instance=instance,
+            prefill=prefill,
+            status=status,
         )
 
     def _abort(self, inst: Instance, attempt_id: str, kv_params: bytes | None) -> None:
