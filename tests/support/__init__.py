@@ -1,4 +1,5 @@
-"""Helpers every test suite shares: free ports and /metrics scraping.
+"""Helpers every test suite shares: free ports, /metrics scraping and
+starting the repository's scripts.
 
 Reached as ``tests.support`` through pytest's ``pythonpath`` setting (the
 repository root); proxies and engines in process come from

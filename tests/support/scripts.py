@@ -1,0 +1,27 @@
+"""The repository's scripts as a user starts them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script_help(relative_path: str, timeout_s: float = 300) -> str:
+    """Run ``python <script> --help`` from the repository and return what it
+    printed: a script that starts imports everything it uses.
+
+    Raises:
+        AssertionError: If the script exits with an error.
+    """
+    result = subprocess.run(
+        [sys.executable, str(REPO / relative_path), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
