@@ -12,7 +12,9 @@ time, then all six up, so that every phase sees the same machine):
 
 After warm-up requests, each of ``--rounds`` rounds sends every prompt to
 every phase, one P/D request at a time straight to the engines, the
-phases' order rotating from prompt to prompt: the prefill's latency
+phases' order rotating from prompt to prompt. Each round starts the prompts
+with its number, so that no engine prefills from its prefix cache a prompt
+an earlier round sent. Measured: the prefill's latency
 (max_tokens 1), the decode's time to first token (streamed: the KV load and
 its verification included) and its total time. Printed: per phase, medians
 and p90 over all rounds, each as a ratio to ``off`` (the median of the
@@ -194,10 +196,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for p in phases:
                     samples[p].append([])
                 for i, prompt in enumerate(measured):
+                    # New to every engine's prefix cache: a prompt seen in an
+                    # earlier round would prefill from cache.
+                    text = f"Round {r + 1}. {prompt}"
                     shift = (i + r) % len(phases)
                     for phase in phases[shift:] + phases[:shift]:
                         rid = f"{phase}-r{r}-{i}-{time.time_ns()}"
-                        sample = await pd_request(http, servers, phase, prompt, rid)
+                        sample = await pd_request(http, servers, phase, text, rid)
                         samples[phase][r].append(sample)
                 for p in phases:
                     after = await kvguard_stats(http, servers, p)
