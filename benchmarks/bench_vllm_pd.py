@@ -24,8 +24,8 @@ with a step-counting subclass, ``tests/vllm/step_probe.py``), KVGuard's
 own time per request (scheduler-side, worker checksums, loads held) and
 each round's medians.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm_pd.py [--requests 20]
-        [--rounds 3] [--phases off,on,on+scheduler] [--out result.json]
+    .venv-vllm/bin/python benchmarks/bench_vllm_pd.py [--requests 40]
+        [--rounds 5] [--phases off,on,on+scheduler] [--out result.json]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
@@ -392,9 +392,12 @@ def scheduler_cost(block_counts: list[int], requests: int, batches: int) -> None
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    # Decode TTFT spreads wide (p90 about 6x the median, plain NIXL too):
+    # 20 prompts x 5 rounds gave on+scheduler x1.23 [0.81, 1.63], 40 x 5
+    # x0.99 [0.96, 1.10] on the same machine.
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--out", type=Path)
     parser.add_argument(
