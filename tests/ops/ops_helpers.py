@@ -25,9 +25,9 @@ import aiohttp
 import msgspec
 import pytest
 
+from tests.support import REPO
 from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
 

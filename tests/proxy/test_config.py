@@ -14,6 +14,7 @@ from proxy.config import (
     load_config,
     parse_config,
 )
+from tests.support import REPO
 
 GOOD = """\
 models:
@@ -135,9 +136,7 @@ def test_check_reports_config_errors_with_exit_2(tmp_path, capsys):
 
 
 def test_example_configs_are_valid(monkeypatch):
-    from pathlib import Path
-
-    examples = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    examples = sorted((REPO / "configs").glob("*.yaml"))
     assert len(examples) >= 4
     for path in examples:
         load_config(path)

@@ -27,9 +27,9 @@ from typing import Any, Literal
 import aiohttp
 from vllm_client import MODEL_NAME, REQUEST_TIMEOUT_S, complete
 
+from tests.support import REPO
 from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 # The Python of vLLM's environment (the tests' own by default).
 VLLM_PYTHON = os.environ.get("KVGUARD_VLLM_PYTHON", sys.executable)
 WORK_DIR = Path(os.environ.get("KVGUARD_VLLM_WORK", REPO / "build" / "vllm-test"))
