@@ -308,7 +308,7 @@ class KVChecksumComparer:
         for group_id in pending.blocks.groups:
             try:
                 if pending.offload_request is not None:
-                    bad = self._compare_stored(pending, group_id)
+                    bad = self._compare_stored(pending, group_id, group_id in skipped)
                 else:
                     assert pending.expected is not None
                     bad = self._compare_group(
@@ -322,8 +322,7 @@ class KVChecksumComparer:
             num_compared += 1
             if bad:
                 mismatches[group_id] = bad
-        # Checksums are offloaded only for the groups the workers can
-        # checksum, fixed at startup, so a load of none of them is not checked.
+        # A reload of groups no worker holds layers of has nothing to check.
         if not num_compared and not unverified and pending.offload_request is None:
             unverified.append(Unverified(UnverifiedReason.NOTHING_CHECKSUMMED))
         return Comparison(mismatches, unverified, num_compared)
@@ -498,19 +497,23 @@ class KVChecksumComparer:
         raise Unverified(reason, f"group {group_id}: {where}")
 
     def _compare_stored(
-        self, pending: PendingChecksums, group_id: int
+        self, pending: PendingChecksums, group_id: int, skipped: bool
     ) -> list[int] | None:
         """The mismatching block positions in a group of a load of offloaded
         KV: each worker's checksums against those offloaded with the KV it
         loaded, untagged with the ``block_checksum_tags`` of the blocks the
-        request expects there. None if no worker checksums the group, e.g.
-        because none are offloaded for it.
+        request expects there. None if no worker holds layers of the group
+        (e.g. drafter layers only).
 
         Raises:
-            Unverified: If a worker checksummed other blocks than scheduled,
-                or a compared block has no stored value or block hash.
+            Unverified: If some worker cannot checksum the group (``skipped``:
+                its reloaded KV is not all compared), a worker checksummed
+                other blocks than scheduled, or a compared block has no
+                stored value or block hash.
 
         """
+        if skipped:
+            raise Unverified(UnverifiedReason.SKIPPED, f"group {group_id}")
         _, per_block = self.spans[group_id]
         if not pending.group_checksums(group_id, per_block):
             return None

@@ -22,6 +22,7 @@ from scheduler_harness import (
 
 from engine_patch.hashing import block_checksum_tags
 from engine_patch.host import CacheHitSource
+from engine_patch.kv_cache import KVCacheSpec
 
 OFFLOAD = CacheHitSource.OFFLOAD
 
@@ -200,12 +201,58 @@ def test_a_worker_without_stored_checksums_leaves_the_offloaded_load_unverified(
     assert consumer.stats.unverified == {R.NO_STORED: 1}
 
 
-def test_an_offloaded_load_of_no_checksummed_group_is_not_checked() -> None:
+def reload_with(workers: FakeWorkers, *specs: KVCacheSpec) -> Consumer:
+    """A reload of one block per group of ``specs``, whose workers report
+    their (intact) checksums and the values they stored."""
+    connector = FakeConnector(
+        sources={OFFLOAD: 1}, checksum_sources=frozenset({OFFLOAD})
+    )
+    consumer = Consumer(kv_config(*specs), workers, connector=connector)
+    block_hashes = hashes(1)
+    req = FakeRequest("o", num_prompt_tokens=16, block_hashes=block_hashes)
+    consumer.start_load(req, FakeBlocks.of(*([1] for _ in specs)))
+    consumer.scheduler.build_checksum_meta()
+    values = token_values(RNG, 1)
+    stored = stored_values(values, block_hashes)
+    records = consumer.workers.report(
+        "o",
+        {g: (0, values) for g in range(len(specs))},
+        stored={g: stored for g in range(len(specs))},
+    )
+    consumer.failed = consumer.scheduler.update_from_output(
+        FakeConnectorOutput(records, {"o"}), set()
+    )
+    return consumer
+
+
+def test_an_offloaded_load_of_a_group_its_workers_skip_is_unverified() -> None:
+    consumer = reload_with(FakeWorkers(skipped=frozenset({0})), full())
+    # Its reloaded KV was never compared.
+    assert consumer.failed == {"o"}
+    assert consumer.connector.failures == [("o", {})]
+    assert consumer.stats.verified == 0
+    assert consumer.stats.unverified == {R.SKIPPED: 1}
+
+
+def test_a_skipped_group_leaves_an_offloaded_load_unverified_beside_a_matching_one() -> (
+    None
+):
+    workers = FakeWorkers(fingerprints={0: 0xF00D, 1: 0xF00D}, skipped=frozenset({1}))
+    consumer = reload_with(workers, full(), full())
+    assert consumer.failed == {"o"}
+    assert consumer.stats.verified == 0
+    assert consumer.stats.unverified == {R.SKIPPED: 1}
+
+
+def test_a_skipped_group_under_fail_open_is_counted_not_failed() -> None:
     connector = FakeConnector(
         sources={OFFLOAD: 1}, checksum_sources=frozenset({OFFLOAD})
     )
     consumer = Consumer(
-        kv_config(full()), FakeWorkers(skipped=frozenset({0})), connector=connector
+        kv_config(full()),
+        FakeWorkers(skipped=frozenset({0})),
+        fail_closed=False,
+        connector=connector,
     )
     req = FakeRequest("o", num_prompt_tokens=16, block_hashes=hashes(1))
     consumer.start_load(req, FakeBlocks.of([1]))
@@ -216,6 +263,14 @@ def test_an_offloaded_load_of_no_checksummed_group_is_not_checked() -> None:
     )
     assert failed == set()
     assert connector.failures == []
+    assert consumer.stats.unverified == {R.SKIPPED: 1}
+
+
+def test_an_offloaded_load_of_drafter_layers_only_is_not_checked() -> None:
+    # No worker holds layers of the group: there is nothing to compare.
+    consumer = reload_with(FakeWorkers(fingerprints={}, unheld=frozenset({0})), full())
+    assert consumer.failed == set()
+    assert consumer.connector.failures == []
     assert consumer.stats.verified == 0
     assert not consumer.stats.unverified
 
