@@ -365,7 +365,12 @@ async def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     blocks_per_request = -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
     # Both sides' blocks of every request in flight, and a producer's held ones.
-    num_blocks = 4 * blocks_per_request * max(levels) + 1
+    max_model_len = max(2048, args.prompt_tokens + args.max_tokens)
+    # An engine also holds one request of max_model_len (plus the null block).
+    num_blocks = (
+        max(4 * blocks_per_request * max(levels), -(-max_model_len // args.block_size))
+        + 1
+    )
     shape = dict(
         layers=args.layers,
         kv_heads=args.kv_heads,
@@ -374,7 +379,7 @@ async def main() -> None:
         block_size=args.block_size,
         tp_size=args.tp,
         num_blocks=num_blocks,
-        max_model_len=max(2048, args.prompt_tokens + args.max_tokens),
+        max_model_len=max_model_len,
         max_num_batched_tokens=max(8192, args.prompt_tokens),
     )
     specs = [
