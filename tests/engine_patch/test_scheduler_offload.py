@@ -234,9 +234,7 @@ def test_an_offloaded_load_of_a_group_its_workers_skip_is_unverified() -> None:
     assert consumer.stats.unverified == {R.SKIPPED: 1}
 
 
-def test_a_skipped_group_leaves_an_offloaded_load_unverified_beside_a_matching_one() -> (
-    None
-):
+def test_a_skipped_group_leaves_a_reload_unverified_beside_a_matching_one() -> None:
     workers = FakeWorkers(fingerprints={0: 0xF00D, 1: 0xF00D}, skipped=frozenset({1}))
     consumer = reload_with(workers, full(), full())
     assert consumer.failed == {"o"}
