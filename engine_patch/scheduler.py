@@ -101,6 +101,7 @@ class KVChecksumScheduler:
         self._to_send: dict[str, bytes] = {}
         self._failures: dict[str, str] = {}
         self._mismatched: dict[str, dict[int, list[int]]] = {}
+        self._uncompared: dict[str, list[tuple[int, int]]] = {}
         self._scheduled = KVChecksumScheduled()
         self.stats = KVChecksumStats()
 
@@ -264,7 +265,7 @@ class KVChecksumScheduler:
                 # compared is unverified.
                 logger.exception("KV checksums of request %s not compared.", req_id)
                 self.stats.unverified[UnverifiedReason.INTERNAL] += 1
-                outcome = Comparison({}, [Unverified(UnverifiedReason.INTERNAL)], 0)
+                outcome = Comparison({}, [Unverified(UnverifiedReason.INTERNAL)], 0, {})
             if outcome is None:
                 continue
             mismatches = outcome.mismatches
@@ -297,6 +298,21 @@ class KVChecksumScheduler:
         """
         mismatched, self._mismatched = self._mismatched, {}
         return mismatched
+
+    def take_uncompared_blocks(self) -> dict[str, list[tuple[int, int]]]:
+        """Loads compared since the last call whose blocks hold loaded
+        tokens that were not compared: request id -> the token ranges
+        ``[start, end)`` of those blocks.
+
+        Only sliding-window groups have them, in loads that verify: the
+        consumer's first kept block can start before what its producer
+        kept, and the transfer wrote nothing there. The request never reads
+        those tokens (they are outside its window), but another request
+        whose window holds them would: the host must never let another
+        request reuse these blocks.
+        """
+        uncompared, self._uncompared = self._uncompared, {}
+        return uncompared
 
     def _take_record(self, record: object) -> None:
         """File a worker's report under the requests it has checksums of; a
@@ -450,7 +466,12 @@ class KVChecksumScheduler:
 
         """
         comparison = self._comparer.compare(pending)
-        mismatches, unverified, num_compared = comparison
+        mismatches, unverified, num_compared, uncompared = comparison
+        if uncompared:
+            ranges = self._uncompared.setdefault(req_id, [])
+            for group_id, positions in uncompared.items():
+                block_size = self._comparer.block_size(group_id)
+                ranges.extend((p * block_size, (p + 1) * block_size) for p in positions)
         if mismatches:
             self.stats.mismatch += 1
             logger.error(

@@ -99,6 +99,10 @@ class Comparison(NamedTuple):
     unverified: list[Unverified]
     # Groups compared (with or without mismatches).
     num_compared: int
+    # Per group, positions of loaded blocks holding loaded tokens that were
+    # not compared, in a group otherwise verified (sliding-window groups:
+    # :meth:`KVChecksumComparer._uncompared`).
+    uncompared: dict[int, list[int]]
 
     def failure_message(self, req_id: str) -> str:
         """The error of a load this comparison fails."""
@@ -257,6 +261,10 @@ class KVChecksumComparer:
         }
         self._hash_block_size = kv_cache_config.hash_block_size
 
+    def block_size(self, group_id: int) -> int:
+        """Tokens per block of a transfer group."""
+        return self.groups[group_id].kv_cache_spec.block_size
+
     def payload(self, pending: PendingChecksums) -> KVChecksumPayload:
         """A producer's payload: the sum of every worker's checksums.
 
@@ -292,14 +300,16 @@ class KVChecksumComparer:
 
     def compare(self, pending: PendingChecksums) -> Comparison:
         """The mismatching block positions per group, why the load or some of
-        its groups could not be compared, and how many groups were."""
+        its groups could not be compared, how many groups were, and which
+        loaded blocks hold tokens that were not compared."""
         try:
             pending.check_complete(self.num_workers)
             if pending.offload_request is None and pending.expected is None:
                 raise Unverified(pending.missing_reason)
         except Unverified as e:
-            return Comparison({}, [e], 0)
+            return Comparison({}, [e], 0, {})
         mismatches: dict[int, list[int]] = {}
+        uncompared: dict[int, list[int]] = {}
         unverified: list[Unverified] = []
         skipped = pending.skipped_groups()
         num_compared = 0
@@ -312,7 +322,11 @@ class KVChecksumComparer:
                 else:
                     assert pending.expected is not None
                     bad = self._compare_group(
-                        pending, pending.expected, group_id, group_id in skipped
+                        pending,
+                        pending.expected,
+                        group_id,
+                        group_id in skipped,
+                        uncompared,
                     )
             except Unverified as e:
                 unverified.append(e)
@@ -325,7 +339,7 @@ class KVChecksumComparer:
         # A reload of groups no worker holds layers of has nothing to check.
         if not num_compared and not unverified and pending.offload_request is None:
             unverified.append(Unverified(UnverifiedReason.NOTHING_CHECKSUMMED))
-        return Comparison(mismatches, unverified, num_compared)
+        return Comparison(mismatches, unverified, num_compared, uncompared)
 
     def _compare_group(
         self,
@@ -333,6 +347,7 @@ class KVChecksumComparer:
         expected: KVChecksumPayload,
         group_id: int,
         skipped: bool,
+        uncompared: dict[int, list[int]],
     ) -> list[int] | None:
         """The group's mismatching block positions, or None if the group is
         not compared (no worker of either side holds layers of it).
@@ -340,7 +355,8 @@ class KVChecksumComparer:
         Compared per span (``checksum_spans``); with different spans, sums of
         the smaller ones are compared with the larger ones. Without a
         mismatch, the group verifies only if every token the load must
-        provide was compared (:meth:`_check_covered`).
+        provide was compared (:meth:`_check_covered`); loaded blocks that
+        still hold tokens not compared go into ``uncompared``.
 
         Raises:
             Unverified: If the group cannot be compared.
@@ -423,6 +439,10 @@ class KVChecksumComparer:
                 bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
         if not bad.any():
             self._check_covered(pending, group_id, chunks, chunk_size)
+            if isinstance(spec, SlidingWindowSpec) and (
+                positions := self._uncompared(pending, group_id, chunks, chunk_size)
+            ):
+                uncompared[group_id] = positions
             return []
         end = start + len(block_ids)
         # The consumer's blocks holding a bad chunk's spans.
@@ -495,6 +515,48 @@ class KVChecksumComparer:
         else:
             reason = UnverifiedReason.UNCOVERED
         raise Unverified(reason, f"group {group_id}: {where}")
+
+    def _uncompared(
+        self,
+        pending: PendingChecksums,
+        group_id: int,
+        chunks: np.ndarray,
+        chunk_size: int,
+    ) -> list[int]:
+        """Positions of the group's loaded blocks holding loaded tokens that
+        no compared chunk (ascending, of ``chunk_size`` tokens) covers.
+
+        A verified sliding-window group can have them: the consumer's first
+        kept block may start before what its producer kept, and the transfer
+        wrote nothing there. The request never reads those tokens (they are
+        outside its window), but another request whose window holds them
+        would, were the block reused.
+        """
+        block_size = self.block_size(group_id)
+        start, block_ids = pending.blocks.groups[group_id]
+        num_tokens = pending.blocks.num_tokens
+        lo = max(start * block_size, pending.first_token)
+        hi = min((start + len(block_ids)) * block_size, num_tokens)
+        if lo >= hi:
+            return []
+        if (
+            len(chunks)
+            and chunks[-1] - chunks[0] == len(chunks) - 1
+            and chunks[0] * chunk_size <= lo
+            and hi <= (chunks[-1] + 1) * chunk_size
+        ):
+            return []  # The usual case: one run of chunks covers them all.
+        compared = set(chunks.tolist())
+        return [
+            pos
+            for pos in range(start, start + len(block_ids))
+            if not compared.issuperset(
+                range(
+                    max(pos * block_size, lo) // chunk_size,
+                    cdiv(min((pos + 1) * block_size, hi), chunk_size),
+                )
+            )
+        ]
 
     def _compare_stored(
         self, pending: PendingChecksums, group_id: int, skipped: bool

@@ -513,8 +513,10 @@ class Engine:
             self.checksums.update_from_output(output, skip)
             failed = self.checksums.take_load_failures()
             # No prefix cache here: no block of a request serves another, so
-            # there is nothing to keep a mismatched load's blocks out of.
+            # there is nothing to keep a mismatched load's blocks (or those
+            # holding tokens not compared) out of.
             self.checksums.take_mismatched_loads()
+            self.checksums.take_uncompared_blocks()
         for req_id, load in step.finished_loads.items():
             request = self._loading.pop(req_id, None)
             if request is None or request.finished:

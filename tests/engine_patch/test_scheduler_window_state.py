@@ -120,6 +120,43 @@ def test_clean_sliding_window_loads_verify_between_block_sizes(
     assert outcomes == {"verified": 5 * len(range(1, 160, 3))}
 
 
+def kept_blocks(bs: int, window: int, num_tokens: int) -> range:
+    """Positions of the sliding-window blocks a side of block size ``bs``
+    keeps (and a P/D transfer moves)."""
+    positions = window_blocks(
+        SlidingWindowSpec(bs, sliding_window=window), num_tokens, 0
+    )
+    return range(sum(b is None for b in positions), len(positions))
+
+
+@pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
+def test_verified_sliding_window_loads_name_the_blocks_holding_unsent_tokens(
+    producer_bs: int, consumer_bs: int
+) -> None:
+    # The consumer's first kept blocks can start before the producer's: their
+    # tokens before the producer's first are garbage (outside the request's
+    # window), and no other request may reuse those blocks.
+    seen_unsent = 0
+    for window in (17, 20, 33, 48, 100):
+        for num_tokens in range(1, 160, 3):
+            consumer = window_load(producer_bs, consumer_bs, window, num_tokens)
+            assert consumer.stats.verified == 1
+            first_sent = kept_blocks(producer_bs, window, num_tokens)[0] * producer_bs
+            expected = [
+                (pos * consumer_bs, (pos + 1) * consumer_bs)
+                for pos in kept_blocks(consumer_bs, window, num_tokens)
+                if pos * consumer_bs < first_sent
+            ]
+            uncompared = consumer.scheduler.take_uncompared_blocks()
+            assert uncompared == ({"c": expected} if expected else {}), (
+                window,
+                num_tokens,
+            )
+            seen_unsent += bool(expected)
+    if producer_bs < consumer_bs:
+        assert seen_unsent  # The case arises.
+
+
 @pytest.mark.parametrize(("producer_bs", "consumer_bs"), SLIDING_PAIRS)
 @pytest.mark.parametrize("from_end", [1, 16, 40])
 def test_a_corrupted_token_in_the_window_fails_between_block_sizes(
