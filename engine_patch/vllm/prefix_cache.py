@@ -15,14 +15,20 @@ cached under keys no prompt hashes to, so no other request's lookup finds
 them (nor an offloading connector's, which keys KV by the same hashes),
 and they leave the cache as vLLM evicts any free block. Blocks before the
 load (the request's own local prefix hits) keep theirs.
+
+:func:`keep_blocks_out_of_prefix_cache` does the same for chosen blocks of a
+verified load only: a sliding-window load's first kept blocks can hold
+tokens its producer never sent (outside the request's window, so the request
+never reads them; another request's window could).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash
 
 if TYPE_CHECKING:
@@ -62,3 +68,24 @@ def keep_out_of_prefix_cache(
         ]
 
     request._block_hasher = hash_new_blocks
+
+
+def keep_blocks_out_of_prefix_cache(
+    request: Request, token_ranges: Iterable[tuple[int, int]], hash_block_size: int
+) -> None:
+    """Give the request's hashed blocks holding any token of ``token_ranges``
+    (each ``[start, end)``) random hashes; the others keep theirs.
+
+    Blocks hashed already keep their hashes, chained from the real ones, so
+    a lookup of the same prompt still finds those after a replaced one (a
+    sliding-window lookup needs only its window's blocks). A block hashed
+    later chains from the request's last hash, and is unreachable too if
+    that one was replaced: a lost cache hit, never a wrong one. Must run
+    before vLLM caches the loaded blocks.
+    """
+    hashes = request.block_hashes
+    for start, end in token_ranges:
+        for i in range(
+            start // hash_block_size, min(cdiv(end, hash_block_size), len(hashes))
+        ):
+            hashes[i] = _unreachable(hashes[i])

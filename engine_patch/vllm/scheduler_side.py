@@ -44,7 +44,10 @@ from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
 from engine_patch.vllm.host import ConnectorHooks, RequestAt, convert_kv_cache_config
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
-from engine_patch.vllm.prefix_cache import keep_out_of_prefix_cache
+from engine_patch.vllm.prefix_cache import (
+    keep_blocks_out_of_prefix_cache,
+    keep_out_of_prefix_cache,
+)
 from engine_patch.vllm.stats import Snapshot, checksum_deltas
 
 if TYPE_CHECKING:
@@ -139,9 +142,10 @@ class KVGuardSchedulerSide:
         self._producers: dict[str, Request] = {}
         # Per request: the locally computed tokens its connector lookup saw.
         self._num_local_tokens: dict[str, int] = {}
-        # Fail-open loads not verified yet, by id: the request and its first
-        # loaded token (a mismatch keeps its blocks out of the prefix cache).
-        self._open_loads: dict[str, tuple[Request, int]] = {}
+        # Loads not verified yet, by id: the request and its first loaded
+        # token (a fail-open mismatch keeps its blocks out of the prefix
+        # cache; a verified load's blocks holding tokens not compared too).
+        self._loading: dict[str, tuple[Request, int]] = {}
         # Whether a load started since the last metadata (its blocks go to
         # the workers in the next one).
         self._loads_started = False
@@ -225,8 +229,7 @@ class KVGuardSchedulerSide:
             RequestAt(request, num_local + num_external_tokens), blocks, num_local
         )
         self._loads_started = True
-        if not self._checksums.fail_closed:
-            self._open_loads[request.request_id] = (request, num_local)
+        self._loading[request.request_id] = (request, num_local)
 
     def build_meta(
         self, scheduler_output: SchedulerOutput
@@ -268,7 +271,7 @@ class KVGuardSchedulerSide:
             return
         self._producers.pop(request.request_id, None)
         self._num_local_tokens.pop(request.request_id, None)
-        self._open_loads.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         self._finished.append(_Finished(request, kv_transfer_params))
 
     def verify_finished_loads(self, output: KVConnectorOutput) -> None:
@@ -322,8 +325,8 @@ class KVGuardSchedulerSide:
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
         self._outcomes = True
-        self._keep_mismatched_out_of_prefix_cache(complete | failed_by_inner)
         failed = self._checksums.take_load_failures()
+        self._keep_out_of_prefix_cache(complete, failed.keys() | failed_by_inner)
         if self._same_step:
             # Still in finished_recving: vLLM releases the request from its
             # wait and applies kv_load_failure_policy.
@@ -336,23 +339,28 @@ class KVGuardSchedulerSide:
             self._failed_loads[req_id] = message
             logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
 
-    def _keep_mismatched_out_of_prefix_cache(self, verified: set[str]) -> None:
-        """Fail-open: no other request may reuse a mismatched load's KV. Runs
-        before vLLM caches the step's finished loads (in the next
-        ``schedule``); fail-closed, vLLM never caches a failed load."""
+    def _keep_out_of_prefix_cache(self, verified: set[str], failed: set[str]) -> None:
+        """No other request may reuse a fail-open load's mismatched KV, nor a
+        load's blocks holding tokens that were not compared. Runs before vLLM
+        caches the step's finished loads (in the next ``schedule``); vLLM
+        never caches a ``failed`` load (it recomputes or fails it)."""
         assert self._checksums is not None
         mismatched = self._checksums.take_mismatched_loads()
-        if not self._open_loads:
+        uncompared = self._checksums.take_uncompared_blocks()
+        if not self._loading:
             return
-        for req_id in verified:
-            load = self._open_loads.pop(req_id, None)
-            if load is not None and req_id in mismatched:
-                assert self._kv_cache_manager is not None
-                request, first_loaded_token = load
-                keep_out_of_prefix_cache(
-                    request,
-                    first_loaded_token,
-                    self._kv_cache_manager.block_pool.hash_block_size,
+        for req_id in verified | failed:
+            load = self._loading.pop(req_id, None)
+            if load is None or req_id in failed:
+                continue
+            assert self._kv_cache_manager is not None
+            request, first_loaded_token = load
+            hash_block_size = self._kv_cache_manager.block_pool.hash_block_size
+            if req_id in mismatched:
+                keep_out_of_prefix_cache(request, first_loaded_token, hash_block_size)
+            elif req_id in uncompared:
+                keep_blocks_out_of_prefix_cache(
+                    request, uncompared[req_id], hash_block_size
                 )
 
     def flush_finished(self) -> None:

@@ -1,7 +1,8 @@
 """Fail-open in vLLM 0.32's real scheduler (stepped in process, no workers):
 a load that mismatches its checksums decodes, but no other request ever
 finds its blocks in vLLM's prefix cache, nor the blocks it computes from
-them; a clean load's blocks serve later requests as vLLM's own do.
+them; a clean load's blocks serve later requests as vLLM's own do, except
+blocks holding tokens that were not compared (in both modes).
 
 Loads are of 100 tokens (4 blocks of 32, the last one partial) or of 20
 (inside one block: the first full block is one the request decodes into).
@@ -24,6 +25,7 @@ from engine_steps import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.vllm.scheduler import KVGuardScheduler
 
 pytestmark = pytest.mark.vllm
@@ -107,3 +109,27 @@ def test_fail_open_a_clean_loads_blocks_serve_later_requests(
     tokens = run_load(scheduler, num_tokens, corrupt=False)
     assert cached_tokens(scheduler, tokens[:num_tokens]) == full_blocks(num_tokens)
     assert cached_tokens(scheduler, tokens) == full_blocks(len(tokens))
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["fail-closed", "fail-open"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_verified_loads_blocks_holding_tokens_not_compared_serve_no_other_request(
+    mode: str, fail_closed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = make_scheduler(
+        MODES[mode], vllm_config("kv_consumer", fail_closed=fail_closed)
+    )
+    # The model here has no sliding-window group, whose loads can hold such
+    # tokens (tests/engine_patch: the comparer names their blocks); the
+    # verdict names the load's second block, as it would there.
+    unsent = (BLOCK_SIZE, 2 * BLOCK_SIZE)
+    monkeypatch.setattr(
+        KVChecksumScheduler,
+        "take_uncompared_blocks",
+        lambda self: {"loaded": [unsent]},
+    )
+    tokens = run_load(scheduler, 100, corrupt=False)
+    # The first block still serves the prompt; the named one, and so every
+    # full-attention block after it, does not.
+    assert cached_tokens(scheduler, tokens[:100]) == BLOCK_SIZE
+    assert cached_tokens(scheduler, tokens) == BLOCK_SIZE
