@@ -46,7 +46,12 @@ async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 class Upstream:
-    """A pooled session for every call, and a non-pooled one for retries."""
+    """A pooled session for every call, and a non-pooled one for retries.
+
+    Neither keeps cookies: a backend's ``Set-Cookie`` (a gateway's sticky
+    session, say) answers one client's request and must not ride along on
+    other clients' requests, nor to other backends on the same host.
+    """
 
     def __init__(self, keepalive_s: float, on_reconnect: Callable[[str], None]) -> None:
         """``on_reconnect(label)`` is told of each retry on a new connection."""
@@ -59,6 +64,7 @@ class Upstream:
             ),
             timeout=aiohttp.ClientTimeout(total=None),
             skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._fresh = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
@@ -66,6 +72,7 @@ class Upstream:
             ),
             timeout=aiohttp.ClientTimeout(total=None),
             skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._on_reconnect = on_reconnect
 

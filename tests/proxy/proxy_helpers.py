@@ -58,6 +58,8 @@ class StubEngine:
     # The leg ("prefill", "decode", "any") on which the prompt [""] crashes
     # the engine (500): a request whose content breaks every engine.
     poison_leg: str = "any"
+    # A Set-Cookie header on every reply (as a gateway's sticky session does).
+    set_cookie: str | None = None
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -256,6 +258,12 @@ class StubEngine:
             {"object": "list", "data": [{"id": f"m{self.port % 2}"}]}
         )
 
+    async def _add_cookie(
+        self, request: web.Request, response: web.StreamResponse
+    ) -> None:
+        assert self.set_cookie is not None
+        response.headers["Set-Cookie"] = self.set_cookie
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
@@ -263,6 +271,8 @@ class StubEngine:
         app.router.add_post("/inference/v1/abort_requests", self._abort)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        if self.set_cookie is not None:
+            app.on_response_prepare.append(self._add_cookie)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

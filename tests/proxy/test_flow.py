@@ -94,6 +94,24 @@ async def test_client_kv_transfer_params_never_reach_a_backend(stubs):
     assert d.bodies()[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
 
 
+async def test_a_backends_cookies_never_reach_another_request(stubs):
+    # Backends by name: aiohttp's default cookie jar keeps the cookies of
+    # named hosts (not of IP addresses) and sends them on later requests.
+    p = await stubs(set_cookie="route=p1; Path=/")
+    d = await stubs(set_cookie="route=d1; Path=/")
+
+    def named(url: str) -> str:
+        return url.replace("127.0.0.1", "localhost")
+
+    async with running_proxy(make_config([named(p.url)], [named(d.url)])) as px:
+        for stream in (False, True):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
+            assert resp.status == 200
+            await resp.read()
+    assert len(p.requests) == len(d.requests) == 2
+    assert [h.get("Cookie") for _, h, _ in p.requests + d.requests] == [None] * 4
+
+
 async def test_request_id_is_sent_to_both_legs_and_echoed(stubs):
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
