@@ -486,17 +486,8 @@ class KVChecksumComparer:
                 lo_token = max(lo_token, num_tokens - spec.sliding_window)
             hi_token = num_tokens
             lo, hi = lo_token // chunk_size, cdiv(hi_token, chunk_size)
-        if lo >= hi:
+        if _covers(chunks, lo, hi):
             return
-        # ``chunks`` is ascending without repeats: all of [lo, hi) are in it
-        # iff that many of it are.
-        if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:
-            if chunks[0] <= lo and hi <= chunks[-1] + 1:
-                return
-        else:
-            within = np.searchsorted(chunks, [lo, hi])
-            if within[1] - within[0] == hi - lo:
-                return
         if isinstance(spec, MambaSpec):
             where = "the state"
         else:
@@ -537,24 +528,15 @@ class KVChecksumComparer:
         num_tokens = pending.blocks.num_tokens
         lo = max(start * block_size, pending.first_token)
         hi = min((start + len(block_ids)) * block_size, num_tokens)
-        if lo >= hi:
-            return []
-        if (
-            len(chunks)
-            and chunks[-1] - chunks[0] == len(chunks) - 1
-            and chunks[0] * chunk_size <= lo
-            and hi <= (chunks[-1] + 1) * chunk_size
-        ):
-            return []  # The usual case: one run of chunks covers them all.
-        compared = set(chunks.tolist())
+        if _covers(chunks, lo // chunk_size, cdiv(hi, chunk_size)):
+            return []  # The usual case: every loaded token was compared.
         return [
             pos
             for pos in range(start, start + len(block_ids))
-            if not compared.issuperset(
-                range(
-                    max(pos * block_size, lo) // chunk_size,
-                    cdiv(min((pos + 1) * block_size, hi), chunk_size),
-                )
+            if not _covers(
+                chunks,
+                max(pos * block_size, lo) // chunk_size,
+                cdiv(min((pos + 1) * block_size, hi), chunk_size),
             )
         ]
 
@@ -617,6 +599,18 @@ class KVChecksumComparer:
             )
             bad.update((np.flatnonzero(sums ^ tags != group.stored) + start).tolist())
         return sorted(bad)
+
+
+def _covers(chunks: np.ndarray, lo: int, hi: int) -> bool:
+    """Whether ``chunks`` (ascending, without repeats) holds every chunk of
+    ``[lo, hi)``: iff that many of it lie in the range."""
+    if lo >= hi:
+        return True
+    if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:
+        # Consecutive (the usual case): the range must lie within them.
+        return bool(chunks[0] <= lo and hi <= chunks[-1] + 1)
+    within = np.searchsorted(chunks, [lo, hi])
+    return bool(within[1] - within[0] == hi - lo)
 
 
 def chunk_sums(
