@@ -201,13 +201,17 @@ def test_a_worker_without_stored_checksums_leaves_the_offloaded_load_unverified(
     assert consumer.stats.unverified == {R.NO_STORED: 1}
 
 
-def reload_with(workers: FakeWorkers, *specs: KVCacheSpec) -> Consumer:
+def reload_with(
+    workers: FakeWorkers, *specs: KVCacheSpec, fail_closed: bool = True
+) -> Consumer:
     """A reload of one block per group of ``specs``, whose workers report
     their (intact) checksums and the values they stored."""
     connector = FakeConnector(
         sources={OFFLOAD: 1}, checksum_sources=frozenset({OFFLOAD})
     )
-    consumer = Consumer(kv_config(*specs), workers, connector=connector)
+    consumer = Consumer(
+        kv_config(*specs), workers, fail_closed=fail_closed, connector=connector
+    )
     block_hashes = hashes(1)
     req = FakeRequest("o", num_prompt_tokens=16, block_hashes=block_hashes)
     consumer.start_load(req, FakeBlocks.of(*([1] for _ in specs)))
@@ -243,24 +247,11 @@ def test_a_skipped_group_leaves_a_reload_unverified_beside_a_matching_one() -> N
 
 
 def test_a_skipped_group_under_fail_open_is_counted_not_failed() -> None:
-    connector = FakeConnector(
-        sources={OFFLOAD: 1}, checksum_sources=frozenset({OFFLOAD})
+    consumer = reload_with(
+        FakeWorkers(skipped=frozenset({0})), full(), fail_closed=False
     )
-    consumer = Consumer(
-        kv_config(full()),
-        FakeWorkers(skipped=frozenset({0})),
-        fail_closed=False,
-        connector=connector,
-    )
-    req = FakeRequest("o", num_prompt_tokens=16, block_hashes=hashes(1))
-    consumer.start_load(req, FakeBlocks.of([1]))
-    consumer.scheduler.build_checksum_meta()
-    records = consumer.workers.report("o", {0: (0, np.zeros(1, dtype=np.uint64))})
-    failed = consumer.scheduler.update_from_output(
-        FakeConnectorOutput(records, {"o"}), set()
-    )
-    assert failed == set()
-    assert connector.failures == []
+    assert consumer.failed == set()
+    assert consumer.connector.failures == []
     assert consumer.stats.unverified == {R.SKIPPED: 1}
 
 
