@@ -141,7 +141,8 @@ class _Request:
     route: Route
     body: ClientRequest
     pools: ModelPools
-    request_id: str
+    request_id: str  # the client's X-Request-Id, or backend_id when it sent none
+    backend_id: str  # the proxy's own id, the base of every attempt's id
     config: ProxyConfig
     started: float
     deadline: float
@@ -167,7 +168,7 @@ class Attempt:
     prefills locally. The decode loads KV exactly when ``kv_params`` is set.
     """
 
-    id: str  # the X-Request-Id both legs get
+    id: str  # the X-Request-Id both legs get: the request's backend_id + suffix
     number: int | None  # 0 for the first attempt; None for the decode-only one
     prefill: Instance | None
     decode: Instance
@@ -274,7 +275,10 @@ class Flow:
         metrics = st.metrics
         started = time.monotonic()
         label = route.label
-        request_id = request.headers.get("X-Request-Id") or _new_request_id()
+        # Backends never see the client's id: an id a client chose could name
+        # another client's request in an abort, or in vLLM's error matching.
+        backend_id = _new_request_id()
+        request_id = request.headers.get("X-Request-Id") or backend_id
         if st.auth.clients.required and not st.auth.clients.accepts(
             bearer(request.headers)
         ):
@@ -328,6 +332,7 @@ class Flow:
                 body=body,
                 pools=pools,
                 request_id=request_id,
+                backend_id=backend_id,
                 config=cfg,
                 started=started,
                 deadline=started + cfg.timeouts.total_s,
@@ -446,7 +451,7 @@ class Flow:
                     reason = "no healthy decode instance"
                     break
                 attempt_id = (
-                    req.request_id if number == 0 else f"{req.request_id}-retry{number}"
+                    req.backend_id if number == 0 else f"{req.backend_id}-retry{number}"
                 )
                 result = await self._attempt(
                     req, Attempt(attempt_id, number, prefill, decode)
@@ -500,7 +505,7 @@ class Flow:
         )
         if decode is None:
             return Failure("no_decode", "no healthy decode instance", "decode")
-        attempt = Attempt(f"{req.request_id}-decode-only", None, None, decode)
+        attempt = Attempt(f"{req.backend_id}-decode-only", None, None, decode)
         return await self._attempt(req, attempt)
 
     # ------------------------------------------------------------ one attempt

@@ -112,18 +112,54 @@ async def test_a_backends_cookies_never_reach_another_request(stubs):
     assert [h.get("Cookie") for _, h, _ in p.requests + d.requests] == [None] * 4
 
 
-async def test_request_id_is_sent_to_both_legs_and_echoed(stubs):
+async def test_backends_get_the_proxys_request_id_and_the_client_its_own(stubs):
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post(
-            "/v1/completions", COMPLETION, headers={"X-Request-Id": "abc-1"}
-        )
-        assert resp.headers["X-Request-Id"] == "abc-1"
+        for _ in range(2):
+            resp = await px.post(
+                "/v1/completions", COMPLETION, headers={"X-Request-Id": "abc-1"}
+            )
+            assert resp.headers["X-Request-Id"] == "abc-1"
         resp = await px.post("/v1/completions", COMPLETION)
         generated = resp.headers["X-Request-Id"]
-    assert [h["X-Request-Id"] for _, h, _ in p.requests] == ["abc-1", generated]
-    assert [h["X-Request-Id"] for _, h, _ in d.requests] == ["abc-1", generated]
-    assert len(generated) == 32
+    sent = [h["X-Request-Id"] for _, h, _ in p.requests]
+    assert sent == [h["X-Request-Id"] for _, h, _ in d.requests]
+    # Each request has its own 32-hex id on both legs, whatever the client sent;
+    # a request without an id of its own gets that one back.
+    assert len(set(sent)) == 3 and "abc-1" not in sent
+    assert all(len(rid) == 32 and int(rid, 16) >= 0 for rid in sent)
+    assert sent[2] == generated
+
+
+async def test_a_client_cannot_abort_another_clients_request_by_its_id(stubs):
+    p, d = await stubs(), await stubs(chunk_delay=0.1)
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        async with aiohttp.ClientSession() as client:
+
+            async def stream(request_id: str) -> aiohttp.ClientResponse:
+                return await client.post(
+                    px.url + "/v1/completions",
+                    data=msgspec.json.encode(
+                        {**COMPLETION, "stream": True, "max_tokens": 10}
+                    ),
+                    headers={"X-Request-Id": request_id},
+                )
+
+            victim = await stream("victim")  # headers come with the first token
+            (victim_id,) = {h["X-Request-Id"] for _, h, _ in d.requests}
+            # The other client names the victim's backend id, then leaves.
+            attacker = await stream(victim_id)
+            await attacker.content.readany()
+            attacker.close()
+            text, errors = await read_sse(victim)
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if d.aborts:
+                break
+    assert text == expected_text("hello world", 10) and errors == []
+    attacker_id = d.requests[-1][1]["X-Request-Id"]
+    assert attacker_id != victim_id
+    assert d.aborts == [[attacker_id]]
 
 
 async def test_corrupted_load_is_retried_on_another_prefill_with_attempt_suffix(stubs):
@@ -324,7 +360,7 @@ async def test_client_disconnect_mid_stream_aborts_the_decode(stubs):
             await asyncio.sleep(0.05)
             if d.aborts and d.cancelled:
                 break
-    assert ["gone-1"] in d.aborts
+    assert [[d.requests[0][1]["X-Request-Id"]]] == d.aborts
     assert d.cancelled == 1
     assert p.held == set()
 
@@ -351,7 +387,7 @@ async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
             if not p.held and d.aborts:
                 break
     assert p.held == set()
-    assert ["gone-2"] in d.aborts
+    assert [[d.requests[0][1]["X-Request-Id"]]] == d.aborts
 
 
 async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
