@@ -31,8 +31,20 @@ _encode_json = msgspec.json.Encoder().encode
 _decode_json = msgspec.json.Decoder().decode
 
 
+async def _liveness(request: web.Request) -> web.Response:
+    """200 while the proxy's event loop answers, whatever its backends do.
+
+    For a liveness probe: restarting the proxy brings no backend back, so
+    only a proxy that cannot answer at all should be restarted.
+    """
+    return web.json_response({"status": "ok"})
+
+
 async def _health(request: web.Request) -> web.Response:
-    """200 while every model has a usable prefill and decode instance."""
+    """200 while every model has a usable prefill and decode instance.
+
+    Served as ``/health`` and ``/readiness`` (vllm-router's name).
+    """
     state = request.app[STATE]
     problems = []
     for name, pools in state.models.items():
@@ -133,6 +145,8 @@ def create_app(
     app.router.add_post("/v1/chat/completions", flow.chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/readiness", _health)
+    app.router.add_get("/liveness", _liveness)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/status", status_page)
     add_admin_routes(app, STATE)

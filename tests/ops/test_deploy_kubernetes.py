@@ -15,6 +15,7 @@ import pytest
 import yaml
 from ops_helpers import DEPLOY, REPO
 
+from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.discovery import split_dns_name
 
@@ -78,7 +79,9 @@ def test_kustomization_lists_every_manifest():
     assert sorted(kustomization["resources"]) == sorted(files)
 
 
-def test_the_configmap_config_loads_and_discovers_the_headless_services():
+def test_the_configmap_config_loads_and_discovers_the_headless_services(
+    monkeypatch: pytest.MonkeyPatch,
+):
     config_map = _find("ConfigMap", "kvguard-proxy")
     config = parse_config(config_map["data"]["proxy.yaml"], "proxy-config.yaml")
     proxy = _find("Deployment", "kvguard-proxy")
@@ -89,8 +92,15 @@ def test_the_configmap_config_loads_and_discovers_the_headless_services():
     annotations = proxy["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == config.server.port
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    monkeypatch.setenv("KVGUARD_ADMIN_KEY", "from-the-secret")
+    served = {
+        route.resource.canonical
+        for route in create_app(config).router.routes()
+        if route.method == "GET" and route.resource is not None
+    }
+    assert {"/readiness", "/liveness"} <= served
     assert container["resources"]["requests"] and container["resources"]["limits"]
     # The file the command reads is the ConfigMap's key, mounted.
     mount = container["volumeMounts"][0]["mountPath"]

@@ -124,19 +124,26 @@ async def test_health_is_200_only_while_each_role_has_a_healthy_instance(stubs):
     config = make_config(
         [p.url, down], [d.url], health={"interval_s": 30, "unhealthy_threshold": 1}
     )
+
+    async def statuses() -> dict[str, int]:
+        got = {}
+        for path in ("/health", "/readiness", "/liveness"):
+            async with px.session.get(px.url + path) as resp:
+                got[path] = resp.status
+                if resp.status == 503:
+                    assert "no healthy decode" in (await resp.json())["problems"][0]
+        return got
+
     async with running_proxy(config) as px:
-        async with px.session.get(px.url + "/health") as resp:
-            assert resp.status == 200
+        assert await statuses() == {"/health": 200, "/readiness": 200, "/liveness": 200}
         d.mode = "unhealthy"
         await px.state.health.check_all()
-        async with px.session.get(px.url + "/health") as resp:
-            assert resp.status == 503
-            assert "no healthy decode" in (await resp.json())["problems"][0]
+        # Not ready without a decode, but alive: a restart would not bring one.
+        assert await statuses() == {"/health": 503, "/readiness": 503, "/liveness": 200}
         assert not next(i for i in px.state.all_instances() if i.url == down).healthy
         d.mode = "ok"
         await px.state.health.check_all()
-        async with px.session.get(px.url + "/health") as resp:
-            assert resp.status == 200
+        assert await statuses() == {"/health": 200, "/readiness": 200, "/liveness": 200}
 
 
 async def test_models_is_the_union_of_the_backends(stubs):
