@@ -18,8 +18,9 @@ an earlier round sent. Measured: the prefill's latency
 (max_tokens 1), the decode's time to first token (streamed: the KV load and
 its verification included) and its total time. Printed: per phase, medians
 and p90 over all rounds, each as a ratio to ``off`` (the median of the
-rounds' ratios, with their spread), the engine steps between a load
-finishing and its first token (every consumer runs its scheduler class
+rounds' ratios, with their spread), the median of the per-prompt ratios to
+the same prompt in ``off`` (with their quartiles), the engine steps between
+a load finishing and its first token (every consumer runs its scheduler class
 with a step-counting subclass, ``tests/vllm/step_probe.py``), KVGuard's
 own time per request (scheduler-side, worker checksums, loads held) and
 each round's medians.
@@ -253,6 +254,18 @@ def summarize(
                     ]
                     entry[f"{k}_{stat}_ratio"] = statistics.median(ratios)
                     entry[f"{k}_{stat}_ratio_spread"] = [min(ratios), max(ratios)]
+                # Each prompt against itself in off, sent moments apart: the
+                # prompts' own spread (length, cache placement) cancels out.
+                paired = [
+                    mine[k] / base[k]
+                    for mine_round, base_round in zip(
+                        rounds, samples["off"], strict=True
+                    )
+                    for mine, base in zip(mine_round, base_round, strict=True)
+                ]
+                quartiles = statistics.quantiles(paired, n=4)
+                entry[f"{k}_paired_ratio"] = quartiles[1]
+                entry[f"{k}_paired_ratio_quartiles"] = [quartiles[0], quartiles[2]]
         entry["steps_load_to_first_token"] = dict(
             sorted({n: steps[phase].count(n) for n in set(steps[phase])}.items())
         )
@@ -261,6 +274,9 @@ def summarize(
             entry[key] = statistics.median(r.get(key, 0.0) for r in mine)
         entry["round_medians_ms"] = [
             {k: statistics.median(s[k] for s in r) * 1e3 for k in KEYS} for r in rounds
+        ]
+        entry["samples_ms"] = [
+            [{k: s[k] * 1e3 for k in KEYS} for s in r] for r in rounds
         ]
         summary[phase] = entry
     summary["startup_s"] = [[name, round(seconds, 1)] for name, seconds in STARTUPS]
@@ -290,6 +306,14 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
                     lo, hi = entry[f"{k}_{stat}_ratio_spread"]
                     line += f"{ratio:>8.3f}{f'[{lo:.2f}, {hi:.2f}]':>16}"
             print(line)
+        if "prefill_s_paired_ratio" in entry:
+            paired = ", ".join(
+                f"{names[k]} {entry[f'{k}_paired_ratio']:.3f} "
+                f"[{entry[f'{k}_paired_ratio_quartiles'][0]:.2f}, "
+                f"{entry[f'{k}_paired_ratio_quartiles'][1]:.2f}]"
+                for k in KEYS
+            )
+            print(f"{'':<14}paired with off, per prompt (median [p25, p75]): {paired}")
         print(f"{'':<14}steps from load finished to first token: "
               f"{entry['steps_load_to_first_token']}")  # fmt: skip
 
