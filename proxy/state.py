@@ -238,7 +238,12 @@ class ProxyState:
         task.add_done_callback(self._tasks.discard)
 
     async def abort(self, inst: Instance, request_ids: list[str]) -> None:
-        """POST /inference/v1/abort_requests: frees a prefill's KV, stops a decode."""
+        """POST /inference/v1/abort_requests, best effort.
+
+        The fake engine then frees a prefill's KV and stops a decode; vLLM
+        0.32 matches none of these ids (docs/wire.md#abort), and the closed
+        connection stops a running leg there.
+        """
         try:
             async with self.session.post(
                 inst.abort_url,
