@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_patch.hashing import MIX_C1, MIX_C2
@@ -50,6 +51,10 @@ _C2 = _as_int64(MIX_C2)
 # torch's >> on int64 is arithmetic: masking the 31 bits a shift by 33 keeps
 # makes it the logical shift fmix64 needs.
 _LOW31 = (1 << 31) - 1
+# numpy's uint64 has the logical shift, which AVX2 vectorizes (it has no
+# 64-bit arithmetic shift): no mask, and about twice as fast on CPUs.
+_NP_MULTIPLIERS = (np.uint64(MIX_C1), np.uint64(MIX_C2), None)
+_NP_SHIFT = np.uint64(33)
 
 # (source rows, row ids, piece weights, head weights, position weights,
 # spans, dims) -> [rows, spans]
@@ -131,7 +136,16 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     """:func:`mix` in place, with ``tmp`` (same shape) as scratch: no
-    allocation, so eager chunks stay in cache."""
+    allocation, so eager chunks stay in cache. On a CPU it runs on numpy
+    views of the same memory (the same bits)."""
+    if x.device.type == "cpu":
+        xs, ts = x.numpy().view(np.uint64), tmp.numpy().view(np.uint64)
+        for np_multiplier in _NP_MULTIPLIERS:
+            np.right_shift(xs, _NP_SHIFT, out=ts)
+            np.bitwise_xor(xs, ts, out=xs)
+            if np_multiplier is not None:
+                np.multiply(xs, np_multiplier, out=xs)
+        return x
     for multiplier in (_C1, _C2, None):
         torch.bitwise_right_shift(x, 33, out=tmp)
         tmp &= _LOW31
