@@ -49,6 +49,15 @@ KV_CACHE_BYTES = 256 << 20
 MIDDLEWARE = "engine_patch.vllm.errors.kv_checksum_errors"
 SCHEDULER_CLS = "engine_patch.vllm.scheduler.KVGuardScheduler"
 
+# vLLM logs the first line as its worker creates a NIXL agent, NIXL the
+# second about a second later. Once in many CI runs the UCX backend's
+# creation between them stalled for minutes (4 min 48 s, on a consumer whose
+# producer had started 4 s before); a start stalled there longer than
+# NIXL_STALL_S is restarted once (see Servers.use).
+NIXL_INIT_BEGIN = "Initializing NIXL wrapper"
+NIXL_INIT_END = "Backend UCX was instantiated"
+NIXL_STALL_S = 90.0
+
 # (server, seconds from launch to /health) of every start, for the summary.
 STARTUPS: list[tuple[str, float]] = []
 
@@ -109,6 +118,22 @@ def busy_threads(pgid: int, seconds: float = 1.0, samples: int = 20) -> list[int
                 runnable[tid] = runnable.get(tid, 0) + (state == "R")
         time.sleep(seconds / samples)
     return sorted(tid for tid, count in runnable.items() if count == samples)
+
+
+def thread_waits(pgid: int) -> str:
+    """Where a process group's threads wait, by thread name and kernel wait
+    channel (``"VLLM::Worker_0/futex_wait_queue x3, ..."``), for the record
+    of a stalled start."""
+    waits: dict[str, int] = {}
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    name = (task / "comm").read_text().strip()
+                    channel = (task / "wchan").read_text().strip() or "running"
+                    key = f"{name}/{channel}"
+                    waits[key] = waits.get(key, 0) + 1
+    return ", ".join(f"{key} x{count}" for key, count in sorted(waits.items()))
 
 
 def nice_busy_pollers(pgid: int) -> list[str]:
@@ -217,6 +242,10 @@ class EngineSpec:
         }
 
 
+class StartStalled(RuntimeError):
+    """A server's start stalled where a fresh start does not (NIXL_STALL_S)."""
+
+
 @dataclass
 class Server:
     """A process this module started, stopped by its PID."""
@@ -285,6 +314,10 @@ class VllmServer(Server):
     ready_s: float = 0.0
     # Busy-polling threads lowered to nice 19 (nice_busy_pollers).
     niced: list[str] = field(default_factory=list)
+    # When this start's log first showed NIXL's agent creation pending.
+    nixl_begun_s: float = 0.0
+    # Why an earlier start of the same spec was abandoned, for the summary.
+    restarted: str = ""
 
     def start(
         self, spec: EngineSpec, kv_transfer_config: dict[str, Any] | None = None
@@ -344,14 +377,27 @@ class VllmServer(Server):
             )
         self.started_s = time.monotonic()
 
+    def nixl_stalled_s(self) -> float:
+        """Seconds since this start's log first showed NIXL's agent being
+        created without NIXL reporting its backend up (0 while not so)."""
+        begun, ended = self.log_count(NIXL_INIT_BEGIN), self.log_count(NIXL_INIT_END)
+        if begun <= ended:
+            self.nixl_begun_s = 0.0
+            return 0.0
+        if not self.nixl_begun_s:
+            self.nixl_begun_s = time.monotonic()
+        return time.monotonic() - self.nixl_begun_s
+
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
         """Wait for /health, then warm the engine up with a local request.
 
         Raises:
+            StartStalled: If NIXL's agent creation stalls (NIXL_STALL_S).
             RuntimeError: If the server exits or is not up in time.
         """
         assert self.process is not None
         deadline = self.started_s + STARTUP_TIMEOUT_S
+        self.nixl_begun_s = 0.0
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -366,6 +412,11 @@ class VllmServer(Server):
                         break
             except (aiohttp.ClientError, TimeoutError):
                 pass
+            if self.nixl_stalled_s() > NIXL_STALL_S:
+                raise StartStalled(
+                    f"{self.name}: NIXL agent creation stalled {NIXL_STALL_S:.0f} s"
+                    f" ({thread_waits(self.process.pid)})"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
             await asyncio.sleep(1.0)
@@ -503,16 +554,27 @@ class Servers:
             server.stop()
         for server, spec in changed:
             server.start(spec)
-        await asyncio.gather(
-            *(server.wait_ready(self.session) for server, _ in changed)
-        )
+        await asyncio.gather(*(self._ready(server, spec) for server, spec in changed))
         for server, spec in changed:
             niced = f" [nice 19: {', '.join(server.niced)}]" if server.niced else ""
+            restarted = f" [restarted: {server.restarted}]" if server.restarted else ""
             STARTUPS.append(
-                (f"{server.name} ({spec.connector}){niced}", server.ready_s)
+                (f"{server.name} ({spec.connector}){niced}{restarted}", server.ready_s)
             )
         for name, (prefill, decode) in proxies.items():
             await self._start_proxy(name, prefill, decode)
+
+    async def _ready(self, server: VllmServer, spec: EngineSpec) -> None:
+        """Wait for a started server; one whose start stalled is started
+        again, once."""
+        server.restarted = ""
+        try:
+            await server.wait_ready(self.session)
+        except StartStalled as stalled:
+            server.restarted = str(stalled)
+            await asyncio.to_thread(server.stop)
+            server.start(spec)
+            await server.wait_ready(self.session)
 
     async def _start_proxy(self, name: str, prefill: str, decode: str) -> None:
         proxy = self.proxies.get(name)

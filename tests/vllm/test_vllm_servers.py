@@ -1,0 +1,66 @@
+"""The real-vLLM harness's own behaviour: a start stalled in NIXL's agent
+creation is named as such and started again once."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import pytest
+import vllm_servers
+from vllm_servers import NIXL_INIT_BEGIN, EngineSpec, Servers, StartStalled, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+
+class StallingServer(VllmServer):
+    """A "server" that logs NIXL's agent creation and never gets further."""
+
+    def start(self, spec: EngineSpec, kv_transfer_config: object = None) -> None:
+        self.spec = spec
+        self.starts += 1
+        self.log_path = self.log_path.with_name(f"{self.name}-{self.starts}.log")
+        self.log_path.write_text(f"INFO [base_worker.py:515] {NIXL_INIT_BEGIN}\n")
+        self._launched(subprocess.Popen(["sleep", "60"], process_group=0))
+        self.started_s = vllm_servers.time.monotonic()
+
+
+@pytest.fixture
+def stall_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_servers, "NIXL_STALL_S", 0.5)
+
+
+@pytest.mark.usefixtures("stall_after")
+async def test_a_start_stalled_in_nixl_agent_creation_is_named_with_its_threads(
+    tmp_path: Path,
+) -> None:
+    server = StallingServer("stalling", 0, tmp_path / "stalling.log")
+    server.start(EngineSpec("consumer"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(
+                StartStalled, match=r"NIXL agent creation stalled .*sleep/"
+            ):
+                await server.wait_ready(session)
+    finally:
+        server.stop()
+
+
+@pytest.mark.usefixtures("stall_after")
+async def test_a_stalled_start_is_started_again_once_and_then_fails(
+    tmp_path: Path,
+) -> None:
+    server = StallingServer("stalling", 0, tmp_path / "stalling.log")
+    spec = EngineSpec("consumer")
+    async with aiohttp.ClientSession() as session:
+        servers = Servers(session)
+        server.start(spec)
+        try:
+            with pytest.raises(StartStalled):
+                await servers._ready(server, spec)
+        finally:
+            server.stop()
+    assert server.starts == 2
+    assert "NIXL agent creation stalled" in server.restarted
+    assert server.process is None
