@@ -64,21 +64,51 @@ def sync(device: torch.device) -> None:
 
 
 def interleaved_times(
-    fns: list[Callable[[], object]], device: torch.device, reps: int
+    fns: list[Callable[[], object]],
+    device: torch.device,
+    reps: int,
+    before: Callable[[], object] | None = None,
 ) -> list[list[float]]:
     """Seconds of ``reps`` runs of each function, after a warm-up run; runs
-    interleaved, so that load from other processes skews them alike."""
+    interleaved, so that load from other processes skews them alike.
+    ``before`` runs, untimed, before each timed run."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
     sync(device)
     for _ in range(reps):
         for fn, fn_times in zip(fns, times, strict=True):
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             sync(device)
             fn_times.append(time.perf_counter() - start)
     return times
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (Linux sysfs), 32 MiB where it cannot tell."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20}
+        if size[-1:] in units and size[:-1].isdigit():
+            sizes.append(int(size[:-1]) * units[size[-1]])
+    return max(sizes, default=32 << 20)
+
+
+def cache_evictor() -> Callable[[], object]:
+    """A call that reads twice the last-level cache's bytes, so that the next
+    step finds none of its code or data cached: as in an engine, whose
+    scheduling, HTTP and model work run between two checksum passes. A pass
+    of small requests is mostly per-op dispatch, and on this project's CPU
+    it takes about twice as long cold as in a loop of passes."""
+    buffer = np.ones(2 * last_level_cache_bytes() // 8, np.int64)
+    return buffer.sum
 
 
 def best_times(
@@ -188,10 +218,17 @@ def step_fn(
 
 
 def bench_small(
-    device: torch.device, found: list[Variant], batches: list[int], reps: int
+    device: torch.device,
+    found: list[Variant],
+    batches: list[int],
+    reps: int,
+    caches: list[str],
 ) -> None:
     """Per step, ms of checksumming ``batch`` tiny-llama requests, every
-    variant interleaved; values checked equal across variants first."""
+    variant interleaved; values checked equal across variants first. Per
+    ``caches`` entry: ``warm`` (steps back to back) or ``cold`` (caches
+    evicted before each step, :func:`cache_evictor`: what a step costs in
+    an engine)."""
     blocks_per_request = -(-SMALL_PROMPT // SMALL_BLOCK)
     num_blocks = blocks_per_request * max(batches) + 1
     layers = small_layers(device, num_blocks)
@@ -212,6 +249,28 @@ def bench_small(
         step_fn(checksums, blocks, send=False)()
         first_calls.append(f"{variant.name} {time.perf_counter() - start:.1f} s")
     print("first call (compiles where compiled): " + ", ".join(first_calls))
+    for cache in caches:
+        evict = cache_evictor() if cache == "cold" and device.type == "cpu" else None
+        if cache == "cold" and evict is None:
+            continue
+        print(
+            "caches cold: evicted before each step (as in an engine)"
+            if evict is not None
+            else "caches warm: steps back to back"
+        )
+        _bench_small_steps(device, found, workers, batches, reps, num_blocks, evict)
+
+
+def _bench_small_steps(
+    device: torch.device,
+    found: list[Variant],
+    workers: list[Any],
+    batches: list[int],
+    reps: int,
+    num_blocks: int,
+    evict: Callable[[], object] | None,
+) -> None:
+    blocks_per_request = -(-SMALL_PROMPT // SMALL_BLOCK)
     names = [variant.name for variant in found]
     print(f"{'path':<5} {'batch':>5} " + " ".join(f"{n:>14}" for n in names))
     ratio_rows = []
@@ -240,7 +299,8 @@ def bench_small(
                         == expected[0].checksums[req_id][0].values
                     ).all(), "variants disagree"
             medians = [
-                1e3 * statistics.median(t) for t in interleaved_times(fns, device, reps)
+                1e3 * statistics.median(t)
+                for t in interleaved_times(fns, device, reps, evict)
             ]
             path = "send" if send else "load"
             print(f"{path:<5} {batch:>5} " + " ".join(f"{m:>14.3f}" for m in medians))
@@ -773,6 +833,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="large-KV runs")
     parser.add_argument("--small-reps", type=int, default=40)
     parser.add_argument("--batches", default="1,4,16", help="small-request batches")
+    parser.add_argument(
+        "--small-caches",
+        default="warm,cold",
+        help="small requests with caches warm (back to back) and/or cold "
+        "(evicted before each step, as in an engine; CPU only)",
+    )
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument(
         "--parts",
@@ -825,7 +891,8 @@ def main() -> None:
     )
     if "small" in parts:
         batches = [int(b) for b in args.batches.split(",")]
-        bench_small(device, found, batches, args.small_reps)
+        caches = args.small_caches.split(",")
+        bench_small(device, found, batches, args.small_reps, caches)
     if "large" in parts:
         kv_gib = args.kv_gib or (16.0 if device.type == "cuda" else 1.0)
         if args.layout:
