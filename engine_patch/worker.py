@@ -773,17 +773,29 @@ class _GroupRows:
 
     def blocks(
         self, block_size: int, values_per_block: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per live block: its id, first token, its request's token count,
-        and the offset of its first value."""
-        starts, counts, limits, offsets = np.array(self.requests, np.int64).T
-        # Each block's index within its request.
-        index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]], np.ndarray]:
+        """Per live block: its id, first token and the offset of its first
+        value; and the blocks its request ends in (only a request's last live
+        block can), as (index, tokens of the block before the end)."""
+        # Built as lists: a pass is a few requests, and each numpy call costs
+        # more than these (all the more in an engine, where it runs cold).
+        first_tokens: list[int] = []
+        ends: list[tuple[int, int]] = []
+        offsets: list[int] = []
+        for start, count, num_tokens, offset in self.requests:
+            first = start * block_size
+            first_tokens += range(first, first + count * block_size, block_size)
+            offsets += range(
+                offset, offset + count * values_per_block, values_per_block
+            )
+            kept = num_tokens - first_tokens[-1]
+            if kept < block_size:
+                ends.append((len(first_tokens) - 1, kept))
         return (
             np.array(self.ids, np.int64),
-            (np.repeat(starts, counts) + index) * block_size,
-            np.repeat(limits, counts),
-            np.repeat(offsets, counts) + index * values_per_block,
+            np.array(first_tokens, np.int64),
+            ends,
+            np.array(offsets, np.int64),
         )
 
 
@@ -929,6 +941,8 @@ class KVChecksumWorker:
         self._batches: list[_Batch] = []
         # A(t) for t < len, on the host; grown on demand.
         self._position_table = np.zeros(0, dtype=np.int64)
+        # Per block size: the table's rows of that many consecutive tokens.
+        self._position_windows: dict[int, np.ndarray] = {}
         self._scratch: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
 
@@ -1226,11 +1240,11 @@ class KVChecksumWorker:
         for group_id, group in rows_of.items():
             plan = self._groups[group_id]
             num_keys = len(keys_of[group_id])
-            ids, first_tokens, limits, offsets = group.blocks(
+            ids, first_tokens, ends, offsets = group.blocks(
                 plan.block_size, plan.spans * num_keys
             )
             position_slice = metadata.add(
-                self._positions(first_tokens, limits, plan.block_size)
+                self._positions(first_tokens, ends, plan.block_size)
             )
             span_offsets = np.arange(plan.spans) * num_keys
             for item in plan.work(sends_only):
@@ -1360,17 +1374,27 @@ class KVChecksumWorker:
         return self._scratch
 
     def _positions(
-        self, first_tokens: np.ndarray, limits: np.ndarray, block_size: int
+        self, first_tokens: np.ndarray, ends: list[tuple[int, int]], block_size: int
     ) -> np.ndarray:
-        """``A(t)`` of the tokens of blocks starting at ``first_tokens``, 0 at
-        or past each block's ``limits``: ``[blocks, block_size]``."""
-        tokens = first_tokens[:, None] + np.arange(block_size, dtype=np.int64)
-        end = int(tokens.max()) + 1 if tokens.size else 0
+        """``A(t)`` of the tokens of blocks starting at ``first_tokens``, 0 from
+        each of ``ends`` (block index, tokens kept) on: ``[blocks,
+        block_size]``."""
+        if not len(first_tokens):
+            return np.zeros((0, block_size), np.int64)
+        end = int(first_tokens.max()) + block_size
         if len(self._position_table) < end:
             size = max(end, 2 * len(self._position_table), 1 << 12)
             self._position_table = position_weights(0, size).view(np.int64)
-        weights = self._position_table[tokens]
-        weights[tokens >= limits[:, None]] = 0
+            self._position_windows = {}
+        windows = self._position_windows.get(block_size)
+        if windows is None:
+            windows = np.lib.stride_tricks.sliding_window_view(
+                self._position_table, block_size
+            )
+            self._position_windows[block_size] = windows
+        weights: np.ndarray = windows[first_tokens]
+        for index, kept in ends:
+            weights[index, kept:] = 0
         return weights
 
     def _flush(self, computed: list[_Computed], values: torch.Tensor) -> None:
