@@ -21,6 +21,7 @@ its compiled code, by :func:`set_cache_dir` (``KVGUARD_CHECKSUM_CACHE_DIR``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -139,12 +140,7 @@ def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     allocation, so eager chunks stay in cache. On a CPU it runs on numpy
     views of the same memory (the same bits)."""
     if x.device.type == "cpu":
-        xs, ts = x.numpy().view(np.uint64), tmp.numpy().view(np.uint64)
-        for np_multiplier in _NP_MULTIPLIERS:
-            np.right_shift(xs, _NP_SHIFT, out=ts)
-            np.bitwise_xor(xs, ts, out=xs)
-            if np_multiplier is not None:
-                np.multiply(xs, np_multiplier, out=xs)
+        host_mix_(x.numpy(), tmp.numpy())
         return x
     for multiplier in (_C1, _C2, None):
         torch.bitwise_right_shift(x, 33, out=tmp)
@@ -153,6 +149,62 @@ def mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
         if multiplier is not None:
             x *= multiplier
     return x
+
+
+def host_mix_(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """:func:`mix` in place on int64 (or uint64) numpy arrays, ``tmp`` (same
+    shape) as scratch."""
+    xs, ts = x.view(np.uint64), tmp.view(np.uint64)
+    for np_multiplier in _NP_MULTIPLIERS:
+        np.right_shift(xs, _NP_SHIFT, out=ts)
+        np.bitwise_xor(xs, ts, out=xs)
+        if np_multiplier is not None:
+            np.multiply(xs, np_multiplier, out=xs)
+    return x
+
+
+def host_row_sums_(
+    x: np.ndarray,
+    tmp: np.ndarray,
+    piece_weights: np.ndarray,
+    head_weights: np.ndarray,
+    positions: np.ndarray,
+    spans: int,
+    dims: tuple[int, int, int, int],
+) -> np.ndarray:
+    """:func:`gathered_row_sums_` on numpy arrays in host memory (``x``
+    overwritten, ``tmp`` scratch of its shape): the same int64 ring and the
+    same bits.
+
+    In an engine a pass runs with cold caches, and then each call into
+    torch costs several times one into numpy; a pass of small requests is
+    mostly such calls, so on CPUs the eager pass is all numpy.
+    """
+    host_mix_(x, tmp)
+    x *= piece_weights
+    # einsum's sums over axes run several times faster than ndarray.sum's
+    # over short inner axes (same wrapping int64 sums).
+    per_cell = np.einsum(_cell_sums(dims), x)
+    num_blocks, block_tokens = positions.shape
+    members, num_heads = head_weights.shape
+    per_cell = per_cell.reshape(num_blocks, members, block_tokens, num_heads)
+    per_token = np.einsum("bmth,mh->bt", per_cell, head_weights)
+    sums: np.ndarray = np.einsum(
+        "bst,bst->bs",
+        per_token.reshape(num_blocks, spans, -1),
+        positions.reshape(num_blocks, spans, -1),
+    )
+    return sums
+
+
+@functools.cache
+def _cell_sums(dims: tuple[int, int, int, int]) -> str:
+    """The einsum of rows' per-cell sums ``[rows, tokens, heads]``, for rows
+    whose dims 1 to 4 hold parts, tokens, heads and pieces at ``dims``."""
+    axes = ["r", "", "", "", ""]
+    for letter, dim in zip("pthq", dims, strict=True):
+        axes[dim] = letter
+    return "".join(axes) + "->rth"
 
 
 def _block_sums(

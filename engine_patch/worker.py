@@ -295,6 +295,16 @@ class _Source:
     # Bytes of one row as pieces.
     row_bytes: int
     to_pieces: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # On a CPU: numpy views of ``rows`` (if int64 pieces already) and of
+    # ``piece_weights``, for host passes.
+    host_rows: np.ndarray | None = field(init=False, default=None)
+    host_piece_weights: np.ndarray | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.rows.device.type == "cpu":
+            self.host_piece_weights = self.piece_weights.numpy()
+            if self.to_pieces is None:
+                self.host_rows = self.rows.numpy()
 
     @property
     def cell_pieces(self) -> int:
@@ -306,6 +316,18 @@ class _Source:
         """The int64 pieces of ``rows``, a new contiguous tensor."""
         x = self.rows.index_select(0, rows)
         return x if self.to_pieces is None else self.to_pieces(x)
+
+    def host_gather(self, rows: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """:meth:`gather` of a CPU source as a numpy array, into the start of
+        ``scratch`` (int64, flat) where it fits."""
+        if self.host_rows is None:
+            return self.gather(torch.from_numpy(rows)).numpy()
+        shape = (len(rows), *self.host_rows.shape[1:])
+        numel = math.prod(shape)
+        if numel > scratch.size:
+            gathered: np.ndarray = self.host_rows[rows]
+            return gathered
+        return np.take(self.host_rows, rows, axis=0, out=scratch[:numel].reshape(shape))
 
 
 def _row_view(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], int]:
@@ -594,6 +616,8 @@ class _Work:
     first_rows: np.ndarray
     head_weights: torch.Tensor
     column: int
+    # ``head_weights`` in host memory, on a CPU.
+    host_head_weights: np.ndarray | None = None
 
 
 @dataclass
@@ -643,12 +667,18 @@ class _GroupPlan:
                 for key, members in by_key.items():
                     for first in range(0, len(members), step):
                         chunk = members[first : first + step]
+                        head_weights = source.head_weights[
+                            [m.weight_row for m in chunk]
+                        ]
                         cached.append(
                             _Work(
                                 source,
                                 np.array([m.first_row for m in chunk], np.int64),
-                                source.head_weights[[m.weight_row for m in chunk]],
+                                head_weights,
                                 keys.index(key),
+                                head_weights.numpy()
+                                if head_weights.device.type == "cpu"
+                                else None,
                             )
                         )
             self._work[sends_only] = cached
@@ -705,6 +735,11 @@ def _check_layer(layer: AnyLayer) -> None:
                 )
 
 
+def _host_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A pass's values in host memory (waits for the device)."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
+
+
 def _devices(layers: Sequence[AnyLayer]) -> set[torch.device]:
     return {
         tensor.device
@@ -744,7 +779,8 @@ class _Batch:
     """The checksums of one pass, being copied to the host as one array."""
 
     computed: list[_Computed]
-    host: torch.Tensor
+    # The values: in host memory, or a pinned buffer being filled (CUDA).
+    host: torch.Tensor | np.ndarray
     # CUDA: recorded on the copy stream once ``host`` is filled.
     event: torch.cuda.Event | None = None
     # Keeps the device copy's source alive until the event.
@@ -832,9 +868,12 @@ class KVChecksumWorker:
     checksum into one pass over the KV with ``torch.compile`` (compiled on
     first use, or by :meth:`warm_up`; same values; its speed against eager is
     what ``benchmarks/bench_checksum.py`` measures); None asks
-    ``checksum_kernel.compile_default``. ``max_scratch_bytes`` bounds the
-    memory one chunk of a pass uses (never less than one block of one
-    layer).
+    ``checksum_kernel.compile_default``. On a CPU an eager pass runs in numpy
+    (``host_pass``, the default; False keeps it in torch's ops, as on
+    accelerators): in an engine each call of a pass runs with cold caches,
+    where a call into torch costs several times one into numpy.
+    ``max_scratch_bytes`` bounds the memory one chunk of a pass uses (never
+    less than one block of one layer).
 
     A sliding-window group with blocks over 16 tokens is checksummed per
     16-token span (``kv_cache.checksum_tokens``): its ``values`` have
@@ -856,6 +895,7 @@ class KVChecksumWorker:
         pp_rank: int = 0,
         max_scratch_bytes: int = 64 << 20,
         compile: bool | None = None,
+        host_pass: bool = True,
     ) -> None:
         if max_scratch_bytes < 1:
             raise ValueError(f"max_scratch_bytes must be positive: {max_scratch_bytes}")
@@ -871,6 +911,7 @@ class KVChecksumWorker:
         self._compile = (
             checksum_kernel.compile_default() if compile is None else compile
         )
+        self._host_pass = host_pass and self._device.type == "cpu" and not self._compile
         self._groups: dict[int, _GroupPlan] = {}
         self._fingerprints: dict[int, int] = {}
         skipped: set[int] = set()
@@ -944,6 +985,7 @@ class KVChecksumWorker:
         # Per block size: the table's rows of that many consecutive tokens.
         self._position_windows: dict[int, np.ndarray] = {}
         self._scratch: torch.Tensor | None = None
+        self._host_scratch = np.empty(0, np.int64)
         self._copy_stream: torch.cuda.Stream | None = None
 
     def _plan_state_group(
@@ -1004,7 +1046,7 @@ class KVChecksumWorker:
             },
         )
         if blocks.groups:
-            self._run([("warm-up", blocks, False)], sends_only=False)[1].cpu()
+            _host_array(self._run([("warm-up", blocks, False)], sends_only=False)[1])
 
     def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take the step's scheduled requests."""
@@ -1079,7 +1121,7 @@ class KVChecksumWorker:
         for batch in self._batches:
             if batch.event is not None:
                 batch.event.synchronize()
-            flat = batch.host.numpy().view(np.uint64)
+            flat = _host_array(batch.host).view(np.uint64)
             for computed in batch.computed:
                 groups = {
                     group_id: KVChecksumGroup(
@@ -1138,7 +1180,7 @@ class KVChecksumWorker:
             [("offload", KVChecksumBlocks(blocks.num_tokens, groups), False)],
             sends_only=False,
         )
-        flat = values.cpu().numpy().view(np.uint64)
+        flat = _host_array(values).view(np.uint64)
         out: dict[int, np.ndarray] = {}
         for group_id, slot in computed.groups.items():
             num_blocks = len(groups[group_id][1])
@@ -1177,26 +1219,42 @@ class KVChecksumWorker:
 
     # --- One pass --------------------------------------------------------
 
-    @torch.no_grad()
     def _run(
         self,
         requests: Sequence[tuple[str, KVChecksumBlocks, bool]],
         *,
         sends_only: bool,
-    ) -> tuple[list[_Computed], torch.Tensor]:
+    ) -> tuple[list[_Computed], torch.Tensor | np.ndarray]:
         """Checksum ``(req_id, blocks, offloaded)`` requests in one pass: their
-        slots and, on the device, the values of all (int64, not yet
-        computed where the device is asynchronous).
+        slots and the values of all (int64): in host memory for a host pass,
+        else on the device (not yet computed where it is asynchronous).
 
         Raises:
             ValueError: If a block id is not in the KV tensors (before any
                 work is queued).
         """
-        computed: list[_Computed] = []
-        rows_of: dict[int, _GroupRows] = {}
         keys_of = {
             group_id: plan.keys(sends_only) for group_id, plan in self._groups.items()
         }
+        computed, rows_of, size = self._slots(requests, keys_of)
+        work = self._pass_work(rows_of, keys_of, sends_only)
+        if self._host_pass:
+            return computed, self._host_sums(work, size)
+        return computed, self._device_sums(work, size)
+
+    def _slots(
+        self,
+        requests: Sequence[tuple[str, KVChecksumBlocks, bool]],
+        keys_of: dict[int, list[ReplicaKey]],
+    ) -> tuple[list[_Computed], dict[int, _GroupRows], int]:
+        """Each request's slots in a pass's values, the live blocks per
+        group, and the values' size.
+
+        Raises:
+            ValueError: If a block id is not in the KV tensors.
+        """
+        computed: list[_Computed] = []
+        rows_of: dict[int, _GroupRows] = {}
         size = 0
         for req_id, blocks, offloaded in requests:
             slots: dict[int, _Slot] = {}
@@ -1233,35 +1291,61 @@ class KVChecksumWorker:
                 raise ValueError(
                     f"group {group_id}: block ids outside [0, {num_blocks})"
                 )
-        values = torch.zeros(size, dtype=torch.int64, device=self._device)
-        metadata = _Metadata()
-        # (plan, member set, metadata slices of positions, rows and outputs)
-        work: list[tuple[_GroupPlan, _Work, slice, slice, slice]] = []
+        return computed, rows_of, size
+
+    def _pass_work(
+        self,
+        rows_of: dict[int, _GroupRows],
+        keys_of: dict[int, list[ReplicaKey]],
+        sends_only: bool,
+    ) -> list[
+        tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
+    ]:
+        """Per group of a pass: its position weights ``[blocks, block_size]``
+        and, per member set, the rows it reads (block-major) and the values
+        its span sums go to."""
+        work = []
         for group_id, group in rows_of.items():
             plan = self._groups[group_id]
             num_keys = len(keys_of[group_id])
             ids, first_tokens, ends, offsets = group.blocks(
                 plan.block_size, plan.spans * num_keys
             )
-            position_slice = metadata.add(
-                self._positions(first_tokens, ends, plan.block_size)
-            )
+            positions = self._positions(first_tokens, ends, plan.block_size)
             span_offsets = np.arange(plan.spans) * num_keys
-            for item in plan.work(sends_only):
-                rows = ids[:, None] * item.source.block_rows + item.first_rows
-                out = (offsets + item.column)[:, None] + span_offsets
-                work.append(
-                    (
-                        plan,
-                        item,
-                        position_slice,
-                        metadata.add(rows),
-                        metadata.add(out),
-                    )
+            items = [
+                (
+                    item,
+                    (ids[:, None] * item.source.block_rows + item.first_rows).ravel(),
+                    ((offsets + item.column)[:, None] + span_offsets).ravel(),
                 )
-        if work:
+                for item in plan.work(sends_only)
+            ]
+            work.append((plan, positions, items))
+        return work
+
+    @torch.no_grad()
+    def _device_sums(
+        self,
+        work: list[
+            tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
+        ],
+        size: int,
+    ) -> torch.Tensor:
+        """A pass's values on the device, its metadata sent in one copy."""
+        values = torch.zeros(size, dtype=torch.int64, device=self._device)
+        metadata = _Metadata()
+        # (plan, member set, metadata slices of positions, rows and outputs)
+        slices: list[tuple[_GroupPlan, _Work, slice, slice, slice]] = []
+        for plan, positions, items in work:
+            position_slice = metadata.add(positions)
+            for item, rows, out in items:
+                slices.append(
+                    (plan, item, position_slice, metadata.add(rows), metadata.add(out))
+                )
+        if slices:
             device_metadata = metadata.to_device(self._device)
-            for plan, item, position_slice, row_slice, out_slice in work:
+            for plan, item, position_slice, row_slice, out_slice in slices:
                 self._work_sums(
                     item,
                     plan.spans,
@@ -1270,7 +1354,47 @@ class KVChecksumWorker:
                     device_metadata[out_slice],
                     values,
                 )
-        return computed, values
+        return values
+
+    def _host_sums(
+        self,
+        work: list[
+            tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
+        ],
+        size: int,
+    ) -> np.ndarray:
+        """A pass's values computed in numpy (CPU, eager), a chunk of blocks
+        at a time, as :meth:`_work_sums` does on a device."""
+        values = np.zeros(size, np.int64)
+        budget = self._chunk_budget(False)
+        for plan, positions, items in work:
+            spans = plan.spans
+            for item, rows, out in items:
+                source = item.source
+                assert source.host_piece_weights is not None
+                assert item.host_head_weights is not None
+                members = len(item.first_rows)
+                chunk = max(1, budget // (members * source.row_bytes))
+                for first in range(0, len(positions), chunk):
+                    end = min(len(positions), first + chunk)
+                    numel = (end - first) * members * source.row_bytes // 8
+                    # Reused, as on a device: fresh memory would fault in.
+                    scratch = self._host_scratch_for(2 * numel)
+                    x = source.host_gather(
+                        rows[first * members : end * members], scratch[:numel]
+                    )
+                    sums = checksum_kernel.host_row_sums_(
+                        x,
+                        scratch[numel : numel + x.size].reshape(x.shape),
+                        source.host_piece_weights,
+                        item.host_head_weights,
+                        positions[first:end],
+                        spans,
+                        source.dims,
+                    )
+                    # Each value of a pass is one block's span: no index twice.
+                    values[out[first * spans : end * spans]] += sums.reshape(-1)
+        return values
 
     def _work_sums(
         self,
@@ -1359,6 +1483,12 @@ class KVChecksumWorker:
             budget = min(budget, _EAGER_CPU_CHUNK_BYTES)
         return budget
 
+    def _host_scratch_for(self, numel: int) -> np.ndarray:
+        """Reused int64 scratch of a host pass."""
+        if self._host_scratch.size < numel:
+            self._host_scratch = np.empty(numel, np.int64)
+        return self._host_scratch
+
     def _scratch_for(self, numel: int) -> torch.Tensor | None:
         """Reused eager scratch on a CPU (none on accelerators, whose
         caching allocators reuse memory already)."""
@@ -1397,8 +1527,14 @@ class KVChecksumWorker:
             weights[index, kept:] = 0
         return weights
 
-    def _flush(self, computed: list[_Computed], values: torch.Tensor) -> None:
-        """Start copying a pass's checksums to the host."""
+    def _flush(
+        self, computed: list[_Computed], values: torch.Tensor | np.ndarray
+    ) -> None:
+        """Start copying a pass's checksums to the host (a host pass's are
+        there)."""
+        if isinstance(values, np.ndarray):
+            self._batches.append(_Batch(computed, values))
+            return
         if self._device.type != "cuda":
             self._batches.append(_Batch(computed, values.cpu()))
             return

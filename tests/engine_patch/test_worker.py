@@ -27,6 +27,9 @@ from engine_patch.types import (
 )
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 
+# Every test with the eager CPU pass in numpy and in torch's ops.
+pytestmark = pytest.mark.usefixtures("both_passes")
+
 
 def load_record(
     worker: KVChecksumWorker,

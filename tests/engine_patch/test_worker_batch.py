@@ -27,6 +27,9 @@ from worker_helpers import (
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 
+# Every test with the eager CPU pass in numpy and in torch's ops.
+pytestmark = pytest.mark.usefixtures("both_passes")
+
 
 @pytest.mark.parametrize(
     "block_major", [False, True], ids=["layer_major", "block_major"]

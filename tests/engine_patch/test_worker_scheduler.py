@@ -23,6 +23,9 @@ from engine_patch.payload import KV_TRANSFER_PARAMS_KEY
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 
+# Every test with the eager CPU pass in numpy and in torch's ops.
+pytestmark = pytest.mark.usefixtures("both_passes")
+
 BLOCK_SIZE, KV_HEADS, NUM_TOKENS = 16, 2, 40
 
 

@@ -42,6 +42,9 @@ from engine_patch.worker import (
     state_views,
 )
 
+# Every test with the eager CPU pass in numpy and in torch's ops.
+pytestmark = pytest.mark.usefixtures("both_passes")
+
 
 def reference(states: list[list[torch.Tensor]], block: int) -> int:
     return (

@@ -1,0 +1,46 @@
+"""On a CPU an eager checksum pass runs in numpy, with no call into torch:
+in an engine each call runs with cold caches, where torch's cost several
+times numpy's (``bench_checksum.py``, caches cold). Its values are the
+torch pass's (every test of test_worker*.py runs both)."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from worker_helpers import MIXED_REQUESTS, layers_in_one_buffer, recv_all
+
+from engine_patch.worker import KVChecksumWorker, KVLayout
+
+REQUESTS = [(req_id, n, {0: (start, ids)}) for req_id, n, start, ids in MIXED_REQUESTS]
+
+
+def torch_ops_of_a_pass(worker: KVChecksumWorker) -> list[str]:
+    """The aten ops a load pass of :data:`REQUESTS` and its record run."""
+    recv_all(worker, REQUESTS)  # first-use work out of the way
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        recv_all(worker, REQUESTS)
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::")})
+
+
+def test_an_eager_cpu_pass_makes_no_torch_call() -> None:
+    layers = layers_in_one_buffer(KVLayout.PACKED_HND, torch.bfloat16)
+    assert torch_ops_of_a_pass(KVChecksumWorker(layers, compile=False)) == []
+
+
+def test_the_torch_pass_is_still_there_on_request() -> None:
+    layers = layers_in_one_buffer(KVLayout.PACKED_HND, torch.bfloat16)
+    worker = KVChecksumWorker(layers, compile=False, host_pass=False)
+    assert "aten::index_select" in torch_ops_of_a_pass(worker)
+
+
+def test_both_passes_give_the_same_values() -> None:
+    for layout in KVLayout:
+        layers = layers_in_one_buffer(layout, torch.bfloat16, block_major=True)
+        host = recv_all(KVChecksumWorker(layers, compile=False), REQUESTS)
+        ops = recv_all(
+            KVChecksumWorker(layers, compile=False, host_pass=False), REQUESTS
+        )
+        assert host.keys() == ops.keys()
+        for req_id, groups in host.items():
+            for group_id, values in groups.items():
+                assert (values == ops[req_id][group_id]).all(), (layout, req_id)
