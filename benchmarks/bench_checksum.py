@@ -154,10 +154,14 @@ class Variant:
     name: str
     module: types.ModuleType
     compile: bool
+    # False: an eager pass in torch's ops on a CPU too (mode "torch").
+    host_pass: bool = True
 
     def worker(self, layers: list[KVLayer]) -> Any:
         """A worker of this variant over ``layers``' tensors."""
         m = self.module
+        # Older workers (a baseline) have no host pass to turn off.
+        extra = {} if self.host_pass else {"host_pass": False}
         return m.KVChecksumWorker(
             [
                 m.KVLayer(
@@ -170,15 +174,19 @@ class Variant:
                 for layer in layers
             ],
             compile=self.compile,
+            **extra,
         )
 
 
 def variants(baseline: types.ModuleType | None, modes: list[str]) -> list[Variant]:
+    """Per mode (eager, torch: eager in torch's ops on a CPU, compiled) this
+    tree's worker, and the baseline's but in torch mode."""
     found = []
     for mode in modes:
-        if baseline is not None:
-            found.append(Variant(f"old {mode}", baseline, mode == "compiled"))
-        found.append(Variant(f"fused {mode}", worker, mode == "compiled"))
+        compiled, host_pass = mode == "compiled", mode != "torch"
+        if baseline is not None and host_pass:
+            found.append(Variant(f"old {mode}", baseline, compiled))
+        found.append(Variant(f"fused {mode}", worker, compiled, host_pass))
     return found
 
 
@@ -315,6 +323,7 @@ def print_ratios(rows: list[tuple[str, int, dict[str, float]]]) -> None:
         ("fused/old compiled", "fused compiled", "old compiled"),
         ("compiled/eager fused", "fused compiled", "fused eager"),
         ("fused compiled/old eager", "fused compiled", "old eager"),
+        ("eager/torch fused", "fused eager", "fused torch"),
     ]
     pairs = [p for p in pairs if p[1] in rows[0][2] and p[2] in rows[0][2]]
     print(f"{'path':<5} {'batch':>5} " + " ".join(f"{p[0]:>24}" for p in pairs))
@@ -839,7 +848,11 @@ def main() -> None:
         help="small requests with caches warm (back to back) and/or cold "
         "(evicted before each step, as in an engine; CPU only)",
     )
-    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument(
+        "--modes",
+        default="eager,torch,compiled",
+        help="eager (numpy on a CPU), torch (eager in torch's ops; CPU only), compiled",
+    )
     parser.add_argument(
         "--parts",
         default="small,large,scheduler,lifecycle",
@@ -877,7 +890,11 @@ def main() -> None:
     baseline = load_baseline(args.baseline) if args.baseline else None
     if args.baseline and baseline is None:
         print(f"baseline {args.baseline} not found (not a git checkout?): skipped")
-    found = variants(baseline, args.modes.split(","))
+    modes = args.modes.split(",")
+    if device.type != "cpu":
+        # Off CPUs eager runs in torch's ops anyway.
+        modes = [mode for mode in modes if mode != "torch"]
+    found = variants(baseline, modes)
     where = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
