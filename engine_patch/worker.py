@@ -324,7 +324,8 @@ class _Source:
             return self.gather(torch.from_numpy(rows)).numpy()
         shape = (len(rows), *self.host_rows.shape[1:])
         numel = math.prod(shape)
-        if numel > scratch.size:
+        # np.take copies a source that is not C-contiguous whole first.
+        if numel > scratch.size or not self.host_rows.flags.c_contiguous:
             gathered: np.ndarray = self.host_rows[rows]
             return gathered
         return np.take(self.host_rows, rows, axis=0, out=scratch[:numel].reshape(shape))

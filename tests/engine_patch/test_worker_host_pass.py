@@ -5,6 +5,8 @@ torch pass's (every test of test_worker*.py runs both)."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 from worker_helpers import MIXED_REQUESTS, layers_in_one_buffer, recv_all
@@ -44,3 +46,20 @@ def test_both_passes_give_the_same_values() -> None:
         for req_id, groups in host.items():
             for group_id, values in groups.items():
                 assert (values == ops[req_id][group_id]).all(), (layout, req_id)
+
+
+def test_a_pass_copies_its_blocks_not_the_whole_cache() -> None:
+    # K and V in separate planes: the rows are not one C-contiguous array,
+    # which np.take would first copy whole.
+    layers = layers_in_one_buffer(KVLayout.SPLIT, torch.bfloat16, num_blocks=4096)
+    cache_bytes = sum(layer.kv.numel() * layer.kv.element_size() for layer in layers)
+    worker = KVChecksumWorker(layers, compile=False)
+    load = [("r", 9, {0: (0, [1, 2, 3])})]
+    recv_all(worker, load)
+    tracemalloc.start()
+    try:
+        recv_all(worker, load)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < cache_bytes / 20, (peak, cache_bytes)
