@@ -765,6 +765,13 @@ class _Slot:
     spans: int
 
 
+# Per group of a pass: its plan, position weights [blocks, block_size] and,
+# per member set, the rows it reads (block-major) and the values it adds to.
+_PassWork = list[
+    tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
+]
+
+
 @dataclass
 class _Computed:
     """One request's checksums of one pass, still on the device."""
@@ -1299,9 +1306,7 @@ class KVChecksumWorker:
         rows_of: dict[int, _GroupRows],
         keys_of: dict[int, list[ReplicaKey]],
         sends_only: bool,
-    ) -> list[
-        tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
-    ]:
+    ) -> _PassWork:
         """Per group of a pass: its position weights ``[blocks, block_size]``
         and, per member set, the rows it reads (block-major) and the values
         its span sums go to."""
@@ -1328,9 +1333,7 @@ class KVChecksumWorker:
     @torch.no_grad()
     def _device_sums(
         self,
-        work: list[
-            tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
-        ],
+        work: _PassWork,
         size: int,
     ) -> torch.Tensor:
         """A pass's values on the device, its metadata sent in one copy."""
@@ -1359,9 +1362,7 @@ class KVChecksumWorker:
 
     def _host_sums(
         self,
-        work: list[
-            tuple[_GroupPlan, np.ndarray, list[tuple[_Work, np.ndarray, np.ndarray]]]
-        ],
+        work: _PassWork,
         size: int,
     ) -> np.ndarray:
         """A pass's values computed in numpy (CPU, eager), a chunk of blocks
