@@ -1,7 +1,9 @@
-"""The arithmetic of checksum v1 (``docs/checksum.md``) in torch: ``mix`` and the
-weighted sums of gathered rows, eager or fused by ``torch.compile``.
+"""The arithmetic of checksum v1 (``docs/checksum.md``): ``mix`` and the
+weighted sums of gathered rows, in torch (eager or fused by
+``torch.compile``: accelerators) and in numpy (``host_*``: eager passes on
+CPUs, where a call into torch costs several times one into numpy).
 
-Both give the same bits: every operation is on int64, which wraps modulo
+All give the same bits: every operation is on int64, which wraps modulo
 2^64 like the definition's uint64 arithmetic, and a sum modulo 2^64 does not
 depend on its order. The weight ``S(l, h) · A(t) · Q(p)`` is applied factor
 by factor (``Q`` per piece, ``S`` per head, ``A`` per token), which the ring
