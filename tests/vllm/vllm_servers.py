@@ -165,6 +165,17 @@ def nice_busy_pollers(pgid: int) -> list[str]:
     return lowered
 
 
+def _process_state(pid: int) -> str:
+    """A process's scheduler state, process group and kernel wait channel."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "running"
+    except OSError:
+        return "no such process"
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return f"state {fields[0]}, process group {fields[2]}, waiting in {wchan}"
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
@@ -281,9 +292,19 @@ class Server:
             while _group_alive(process.pid) and time.monotonic() < deadline:
                 process.poll()
                 time.sleep(0.2)
-            if _group_alive(process.pid):
+            killed = _group_alive(process.pid)
+            if killed:
                 _signal_group(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired as e:
+                # Seen once in CI (a proxy), cause unknown: say what was left.
+                raise RuntimeError(
+                    f"{self.name} (pid {process.pid}) still running 30 s after "
+                    f"{'SIGKILL' if killed else 'its group was gone'}: "
+                    f"{_process_state(process.pid)}; group threads: "
+                    f"{thread_waits(process.pid) or 'none'}"
+                ) from e
         self.pid_path.unlink(missing_ok=True)
 
     def log_count(self, text: str) -> int:
