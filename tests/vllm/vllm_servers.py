@@ -76,14 +76,24 @@ def ensure_model() -> Path:
     return MODEL_DIR
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a ``/proc`` stat file after the command's name: state,
+    parent, process group, ...
+
+    Raises:
+        OSError: If the process or thread is gone.
+    """
+    text = stat.read_text()
+    return text[text.rindex(")") + 2 :].split()
+
+
 def _group_pids(pgid: int) -> list[int]:
     """The processes of a process group."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, ValueError):
-                stat = (entry / "stat").read_text()
-                if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                if int(_stat_fields(entry / "stat")[2]) == pgid:
                     pids.append(int(entry.name))
     return pids
 
@@ -171,11 +181,10 @@ def nice_busy_pollers(pgid: int) -> list[str]:
 def _process_state(pid: int) -> str:
     """A process's scheduler state, process group and kernel wait channel."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = _stat_fields(Path(f"/proc/{pid}/stat"))
         wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "running"
     except OSError:
         return "no such process"
-    fields = stat[stat.rindex(")") + 2 :].split()
     return f"state {fields[0]}, process group {fields[2]}, waiting in {wchan}"
 
 
