@@ -13,6 +13,7 @@ import numpy as np
 from engine_patch.types import KVChecksumGroup, KVChecksumRecord
 
 _U64 = 1 << 64
+_UINT64 = np.dtype(np.uint64)
 
 # Exact types: checked on every record of every step, so no ABC lookups;
 # ``type(x) is int`` also refuses bools.
@@ -118,7 +119,7 @@ def _group_problem(group: object, tp_size: int) -> str | None:
 
 
 def _is_uint64(array: object, ndim: int) -> bool:
-    return type(array) is np.ndarray and array.dtype == np.uint64 and array.ndim == ndim
+    return type(array) is np.ndarray and array.dtype == _UINT64 and array.ndim == ndim
 
 
 def _describe(array: object) -> str:

@@ -26,7 +26,6 @@ default); under fail-open they are logged and counted and proceed.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from engine_patch.payload import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumPayload,
     decode_base64,
+    encode_base64,
 )
 from engine_patch.records import checksums_problem, record_problem, requests_named
 from engine_patch.stats import KVChecksumStats
@@ -381,9 +381,7 @@ class KVChecksumScheduler:
         data = payload.to_bytes()
         self._to_send[req_id] = data
         if kv_transfer_params is not None:
-            kv_transfer_params[KV_TRANSFER_PARAMS_KEY] = base64.b64encode(data).decode(
-                "ascii"
-            )
+            kv_transfer_params[KV_TRANSFER_PARAMS_KEY] = encode_base64(data)
 
     def take_kv_checksums_to_send(self) -> dict[str, bytes]:
         """The checksums of producer requests finished since the last call,

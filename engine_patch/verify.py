@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from engine_patch.types import (
     ReplicaKey,
     num_valid_tokens,
 )
+
+# Chunk positions, ascending without repeats: a range if consecutive.
+Chunks: TypeAlias = range | np.ndarray
 
 # Starts the message of every load failed by verification: the text a proxy
 # looks for in a decode's error to tell an integrity failure from others.
@@ -425,31 +428,37 @@ class KVChecksumComparer:
             num_tokens,
             expected.num_tokens,
         )
-        bad = np.zeros(len(chunks), dtype=bool)
-        if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:
-            # Consecutive (the usual case): compared as slices.
-            lo, hi = int(chunks[0]), int(chunks[-1]) + 1
-            for _, sums in checks:
-                bad |= (
-                    sums[lo - first : hi - first]
-                    != sent_sums[lo - sent_first : hi - sent_first]
-                )
+        if isinstance(chunks, range):
+            # Consecutive (the usual case): compared as slices, as bytes
+            # (each numpy call costs microseconds when an engine step has
+            # evicted numpy from the caches).
+            lo, hi = chunks.start, chunks.stop
+            want = sent_sums[lo - sent_first : hi - sent_first].tobytes()
+            matches = all(
+                sums[lo - first : hi - first].tobytes() == want for _, sums in checks
+            )
         else:
-            for _, sums in checks:
-                bad |= sums[chunks - first] != sent_sums[chunks - sent_first]
-        if not bad.any():
+            matches = all(
+                np.array_equal(sums[chunks - first], sent_sums[chunks - sent_first])
+                for _, sums in checks
+            )
+        if matches:
             self._check_covered(pending, group_id, chunks, chunk_size)
             if isinstance(spec, SlidingWindowSpec) and (
                 positions := self._uncompared(pending, group_id, chunks, chunk_size)
             ):
                 uncompared[group_id] = positions
             return []
+        indices = np.asarray(chunks)
+        bad = np.zeros(len(indices), dtype=bool)
+        for _, sums in checks:
+            bad |= sums[indices - first] != sent_sums[indices - sent_first]
         end = start + len(block_ids)
         # The consumer's blocks holding a bad chunk's spans.
         return sorted(
             {
                 pos
-                for chunk in chunks[bad].tolist()
+                for chunk in indices[bad].tolist()
                 for pos in range(
                     max(start, chunk * spans_per_chunk // per_block),
                     min(end, cdiv((chunk + 1) * spans_per_chunk, per_block)),
@@ -461,7 +470,7 @@ class KVChecksumComparer:
         self,
         pending: PendingChecksums,
         group_id: int,
-        chunks: np.ndarray,
+        chunks: Chunks,
         chunk_size: int,
     ) -> None:
         """Check that the compared ``chunks`` (ascending, of ``chunk_size``
@@ -511,7 +520,7 @@ class KVChecksumComparer:
         self,
         pending: PendingChecksums,
         group_id: int,
-        chunks: np.ndarray,
+        chunks: Chunks,
         chunk_size: int,
     ) -> list[int]:
         """Positions of the group's loaded blocks holding loaded tokens that
@@ -601,7 +610,7 @@ class KVChecksumComparer:
         return sorted(bad)
 
 
-def _covers(chunks: np.ndarray, lo: int, hi: int) -> bool:
+def _covers(chunks: Chunks, lo: int, hi: int) -> bool:
     """Whether ``chunks`` (ascending, without repeats) holds every chunk of
     ``[lo, hi)``: iff that many of it lie in the range."""
     if lo >= hi:
@@ -688,15 +697,16 @@ def common_chunks(
     chunk_size: int | None,
     num_tokens: int,
     sent_num_tokens: int,
-) -> np.ndarray:
+) -> Chunks:
     """The chunks in both ranges ``[first, end)`` that hold as many tokens on
-    both sides (all of them if ``chunk_size`` is None), ascending."""
+    both sides (all of them if ``chunk_size`` is None), ascending: a range
+    if they are consecutive."""
     lo = max(chunks[0], sent_chunks[0])
     hi = min(chunks[1], sent_chunks[1])
     if lo >= hi:
-        return np.zeros(0, dtype=np.int64)
+        return range(0)
     if chunk_size is None:
-        return np.arange(lo, hi)
+        return range(lo, hi)
     # Chunks below ``split`` are full on both sides; only the few after it
     # are counted one by one.
     split = min(max(lo, min(num_tokens, sent_num_tokens) // chunk_size), hi)
@@ -706,8 +716,8 @@ def common_chunks(
         if num_valid_tokens(chunk, chunk_size, num_tokens)
         == num_valid_tokens(chunk, chunk_size, sent_num_tokens)
     ]
-    if len(tail) == hi - split:
-        return np.arange(lo, hi)
+    if tail == list(range(split, split + len(tail))):
+        return range(lo, split + len(tail))
     return np.concatenate([np.arange(lo, split), np.array(tail, dtype=np.int64)])
 
 

@@ -5,6 +5,7 @@ mismatch or unverified), never an exception."""
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 import msgspec
@@ -29,7 +30,12 @@ from engine_patch.kv_cache import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
+from engine_patch.payload import (
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumPayload,
+    decode_base64,
+    encode_base64,
+)
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.verify import UnverifiedReason
 
@@ -195,6 +201,43 @@ def load(
     assert outcomes == 1
     assert failed == ({"c"} if not stats.verified else set())
     return scheduler
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_base64_is_the_standard_padded_encoding_and_round_trips(data: bytes) -> None:
+    encoded = encode_base64(data)
+    assert encoded == base64.b64encode(data).decode("ascii")
+    assert decode_base64(encoded) == data
+
+
+BASE64_TEXT = st.text(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_ \n\xe9",
+    max_size=24,
+)
+
+
+# Padded base64: whole groups of four, the standard alphabet, "=" only to
+# pad the last group.
+PADDED_BASE64 = re.compile(
+    r"([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?"
+)
+
+
+@FUZZ
+@given(BASE64_TEXT | st.text(max_size=12))
+def test_base64_text_decodes_only_if_padded_base64(text: str) -> None:
+    """Padded base64 decodes as the standard decoder decodes it; anything
+    else is b"" (unverified), never an exception."""
+    want = base64.b64decode(text) if PADDED_BASE64.fullmatch(text) else b""
+    assert decode_base64(text) == want
+
+
+@pytest.mark.parametrize(
+    "text", ["AAAA====", "QQ==\n", " QQ==", "QQ", "QQ-_", "QUE=QUE="]
+)
+def test_non_canonical_base64_is_not_a_payload(text: str) -> None:
+    assert decode_base64(text) == b""
 
 
 @FUZZ
