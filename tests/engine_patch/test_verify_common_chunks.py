@@ -1,0 +1,75 @@
+"""``engine_patch.verify``: the chunks both sides cover with as many tokens
+(:func:`common_chunks`), and a comparison over chunks that are not
+consecutive (the usual consecutive ones are compared as bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_patch.config import KVChecksumConfig
+from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from engine_patch.payload import KVChecksumPayload
+from engine_patch.types import KVChecksumBlocks, KVChecksumGroup, KVChecksumRecord
+from engine_patch.verify import (
+    Comparison,
+    KVChecksumComparer,
+    PendingChecksums,
+    UnverifiedReason,
+    common_chunks,
+)
+
+FINGERPRINT = 0xF00D
+
+
+def test_consecutive_common_chunks_are_a_range() -> None:
+    assert common_chunks((0, 5), (1, 7), 16, 80, 112) == range(1, 5)
+    assert common_chunks((0, 3), (3, 5), 16, 48, 80) == range(0)
+
+
+def test_a_chunk_with_fewer_tokens_on_one_side_leaves_a_gap() -> None:
+    # 40 tokens on the consumer, 44 on the producer: chunk 2 holds 8 and 12,
+    # chunk 3 none on either side.
+    chunks = common_chunks((0, 4), (0, 4), 16, 40, 44)
+    assert isinstance(chunks, np.ndarray)
+    assert chunks.tolist() == [0, 1, 3]
+
+
+def _compare(consumer: np.ndarray, producer: np.ndarray) -> Comparison:
+    """A load of 40 tokens in four 16-token blocks (the last past the tokens)
+    from a producer of 44 tokens: chunks 0, 1 and 3 are compared."""
+    comparer = KVChecksumComparer(
+        KVChecksumConfig(tp_size=1),
+        KVCacheConfig([KVCacheGroup(FullAttentionSpec(16))]),
+    )
+    pending = PendingChecksums(KVChecksumBlocks(40, {0: (0, [5, 6, 7, 8])}))
+    pending.expected = KVChecksumPayload(1, 44, {0: (FINGERPRINT, 16, 0, producer)})
+    group = KVChecksumGroup(0, [(1, 0)], consumer[:, None].copy())
+    record = KVChecksumRecord(0, 0, {"c": {0: group}}, fingerprints={0: FINGERPRINT})
+    pending.reports[(0, 0)] = ({0: group}, record)
+    return comparer.compare(pending)
+
+
+def test_matching_chunks_around_a_gap_leave_the_gap_unverified() -> None:
+    values = np.array([11, 12, 13, 14], dtype=np.uint64)
+    mismatches, unverified, _, _ = _compare(values, values.copy())
+    assert mismatches == {}
+    assert [e.reason for e in unverified] == [UnverifiedReason.UNCOVERED]
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+def test_a_mismatch_around_a_gap_names_its_block(position: int) -> None:
+    values = np.array([11, 12, 13, 14], dtype=np.uint64)
+    sent = values.copy()
+    sent[position] ^= np.uint64(1)
+    mismatches, _, num_compared, _ = _compare(values, sent)
+    assert (mismatches, num_compared) == ({0: [position]}, 1)
+
+
+def test_a_mismatch_only_in_the_gap_is_not_compared() -> None:
+    values = np.array([11, 12, 13, 14], dtype=np.uint64)
+    sent = values.copy()
+    sent[2] ^= np.uint64(1)
+    mismatches, unverified, _, _ = _compare(values, sent)
+    assert mismatches == {}
+    assert [e.reason for e in unverified] == [UnverifiedReason.UNCOVERED]
