@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import msgspec
@@ -14,8 +15,11 @@ KV_TRANSFER_PARAMS_KEY = "kv_checksums"
 # Version 1: the checksum of docs/checksum.md.
 _PAYLOAD_VERSION = 1
 
-# Checksums travel little-endian.
+# Checksums travel little-endian. They are compared as bytes
+# (``verify.KVChecksumComparer``), so a big-endian host decodes them to its
+# own order.
 _UINT64_LE = np.dtype("<u8")
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 _MsgType = tuple[int, int, int, list[tuple[int, int, int, int, memoryview]]]
 # Made once: ``msgspec.msgpack.decode(data, type=...)`` translates the type
@@ -80,7 +84,7 @@ class KVChecksumPayload:
                         fingerprint,
                         block_size,
                         start,
-                        np.frombuffer(values, dtype=_UINT64_LE),
+                        _host_order(np.frombuffer(values, dtype=_UINT64_LE)),
                     )
                     for group_id, fingerprint, block_size, start, values in groups
                 },
@@ -91,6 +95,11 @@ class KVChecksumPayload:
     def to_base64(self) -> str:
         """The payload as it goes into ``kv_transfer_params``."""
         return encode_base64(self.to_bytes())
+
+
+def _host_order(values: np.ndarray) -> np.ndarray:
+    """Little-endian ``values`` as the host's uint64."""
+    return values if _LITTLE_ENDIAN else values.astype(np.uint64)
 
 
 # msgspec's base64 (RFC 4648, padded) is three to four times faster than

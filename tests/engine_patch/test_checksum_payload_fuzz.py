@@ -117,6 +117,8 @@ def test_a_valid_payload_round_trips(payload: KVChecksumPayload) -> None:
         got_fp, got_bs, got_start, got_values = decoded.groups[group_id]
         assert (got_fp, got_bs, got_start) == (fp, bs, start)
         np.testing.assert_array_equal(got_values, values)
+        # The host's own uint64: the scheduler compares checksums as bytes.
+        assert got_values.dtype == np.dtype(np.uint64)
 
 
 @FUZZ
