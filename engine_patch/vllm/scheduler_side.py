@@ -385,13 +385,13 @@ class KVGuardSchedulerSide:
             return None
         start = time.perf_counter()
         self._outcomes = False
-        now = self._checksums.stats
-        if self._reported.same_as(now):
+        now = Snapshot.of(self._checksums.stats)
+        if now == self._reported:
             # Nothing counted: the time waits for an outcome.
             self._seconds += time.perf_counter() - start
             return None
         counts = checksum_deltas(now, self._reported)
-        self._reported = Snapshot.of(now)
+        self._reported = now
         counts["failed_loads"] = len(self._failed_loads)
         counts["failed_requests"], self._failed_loads = self._failed_loads, {}
         self._seconds += time.perf_counter() - start

@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from prometheus_client import Counter as PromCounter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -46,15 +45,25 @@ def _empty_counts() -> dict[str, Any]:
     return counts
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """The scheduler's outcome counts at some point, to take deltas against."""
+# The plain counts and seconds of _empty_counts, copied for each delta.
+_ZERO_COUNTS: dict[str, Any] = {
+    key: value for key, value in _empty_counts().items() if key not in _BY_REASON
+}
+del _ZERO_COUNTS["failed_requests"]
+
+
+class Snapshot(NamedTuple):
+    """The scheduler's outcome counts at some point, to take deltas against.
+
+    A tuple, so that taking and comparing one is cheap: the scheduler takes
+    one per outcome, with its caches cold.
+    """
 
     verified: int = 0
     mismatch: int = 0
     sent: int = 0
-    unverified: dict[str, int] = field(default_factory=dict)
-    not_sent: dict[str, int] = field(default_factory=dict)
+    unverified: dict[str, int] = {}  # noqa: RUF012 (never mutated)
+    not_sent: dict[str, int] = {}  # noqa: RUF012 (never mutated)
 
     @classmethod
     def of(cls, stats: KVChecksumStats) -> Snapshot:
@@ -66,17 +75,10 @@ class Snapshot:
             dict(stats.not_sent),
         )
 
-    def same_as(self, stats: KVChecksumStats) -> bool:
-        """Whether ``stats`` counts what this snapshot does."""
-        return (
-            (self.verified, self.mismatch, self.sent)
-            == (stats.verified, stats.mismatch, stats.sent)
-            and self.unverified == stats.unverified
-            and self.not_sent == stats.not_sent
-        )
 
-
-def _by_reason_delta(now: Mapping[str, int], before: dict[str, int]) -> dict[str, int]:
+def _by_reason_delta(
+    now: Mapping[str, int], before: Mapping[str, int]
+) -> dict[str, int]:
     if now == before:
         return {}
     return {
@@ -86,14 +88,15 @@ def _by_reason_delta(now: Mapping[str, int], before: dict[str, int]) -> dict[str
     }
 
 
-def checksum_deltas(now: KVChecksumStats, before: Snapshot) -> dict[str, Any]:
-    """The scheduler's outcomes since a snapshot, as stats counts."""
-    counts = _empty_counts()
+def checksum_deltas(now: Snapshot, before: Snapshot) -> dict[str, Any]:
+    """The scheduler's outcomes between two snapshots, as stats counts."""
+    counts = _ZERO_COUNTS.copy()
     counts["verified"] = now.verified - before.verified
     counts["mismatch"] = now.mismatch - before.mismatch
     counts["sent"] = now.sent - before.sent
     counts["unverified"] = _by_reason_delta(now.unverified, before.unverified)
     counts["not_sent"] = _by_reason_delta(now.not_sent, before.not_sent)
+    counts["failed_requests"] = {}
     return counts
 
 
