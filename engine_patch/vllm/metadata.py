@@ -1,15 +1,28 @@
 """What KVGuard's connector halves send each other, around the inner
-connector's own messages."""
+connector's own messages.
+
+vLLM pickles both to and from its worker processes every step: KVGuard's
+part travels as msgpack (:mod:`engine_patch.message_codec`), which costs a
+fraction of pickling its dataclasses and arrays one by one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from engine_patch.message_codec import (
+    decode_record,
+    decode_scheduled,
+    encode_record,
+    encode_scheduled,
+)
 from engine_patch.types import KVChecksumRecord, KVChecksumScheduled
 
 
@@ -28,6 +41,30 @@ class KVGuardConnectorMetadata(KVConnectorMetadata):
     checksums: KVChecksumScheduled | None = None
     verdicts: dict[str, bool] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        checksums = self.checksums
+        return _connector_metadata, (
+            self.inner,
+            self.hold_loads,
+            None if checksums is None else encode_scheduled(checksums),
+            self.verdicts,
+        )
+
+
+def _connector_metadata(
+    inner: KVConnectorMetadata,
+    hold_loads: bool,
+    checksums: bytes | None,
+    verdicts: dict[str, bool],
+) -> KVGuardConnectorMetadata:
+    """Unpickles :class:`KVGuardConnectorMetadata`."""
+    return KVGuardConnectorMetadata(
+        inner,
+        hold_loads,
+        None if checksums is None else decode_scheduled(checksums),
+        verdicts,
+    )
+
 
 @dataclass
 class WorkerReport:
@@ -36,6 +73,20 @@ class WorkerReport:
     record: KVChecksumRecord | None
     finished_loads: list[str]
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        data = encode_record(self.record)
+        if data is None:
+            # No record, or one msgpack cannot carry: pickled as it is, for
+            # the scheduler's checks to judge.
+            return WorkerReport, (self.record, self.finished_loads)
+        return _worker_report, (data, self.finished_loads)
+
+
+def _worker_report(record: bytes, finished_loads: list[str]) -> WorkerReport:
+    """Unpickles a :class:`WorkerReport` whose record was encoded; one that
+    does not decode is left as bytes, a malformed record."""
+    return WorkerReport(decode_record(record), finished_loads)  # type: ignore[arg-type]
+
 
 @dataclass
 class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
@@ -43,6 +94,9 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
 
     inner: KVConnectorWorkerMetadata | None
     reports: list[WorkerReport] = field(default_factory=list)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return KVGuardWorkerMetadata, (self.inner, self.reports)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVGuardWorkerMetadata)

@@ -35,6 +35,7 @@ from engine_patch.kv_cache import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from engine_patch.message_codec import decode_record, encode_record
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.types import KVChecksumGroup, KVChecksumRecord
 from engine_patch.verify import UnverifiedReason
@@ -201,13 +202,47 @@ MALFORMED: dict[str, Callable[[list[Any]], object]] = {
 }
 
 
+def shipped(records: list[Any]) -> list[Any]:
+    """The records as a host that runs its workers in other processes hands
+    them over (vLLM: ``engine_patch.vllm.metadata.WorkerReport``): through
+    msgpack, or as they are where msgpack cannot carry one."""
+    return [
+        record if (data := encode_record(record)) is None else decode_record(data)
+        for record in records
+    ]
+
+
+# Malformations shipping undoes: lists decode as the tuple and the frozenset
+# the types name. A skipped group then says the worker skipped it.
+SHIPPED_OUTCOMES: dict[str, str] = {
+    "a replica key as a list": "verified",
+    "skipped groups as a list": R.ONE_SIDE,
+}
+
+
+def test_a_clean_load_verifies_after_its_records_are_shipped() -> None:
+    load = clean_load()
+    records = shipped(load.records)
+    assert all(type(record) is KVChecksumRecord for record in records)
+    assert load.finish(records) == set()
+    assert outcome(load.scheduler) == "verified"
+
+
+@pytest.mark.parametrize("ship", [False, True], ids=["in-process", "shipped"])
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_a_malformed_record_leaves_the_load_unverified(
-    case: str, caplog: pytest.LogCaptureFixture
+    case: str, ship: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     load = clean_load()
     records: list[Any] = copy.deepcopy(load.records)
     MALFORMED[case](records)
+    if ship:
+        records = shipped(records)
+        if case in SHIPPED_OUTCOMES:
+            failed = load.finish(records)
+            assert outcome(load.scheduler) == SHIPPED_OUTCOMES[case]
+            assert failed == (set() if SHIPPED_OUTCOMES[case] == "verified" else {"c"})
+            return
     with caplog.at_level(logging.DEBUG, logger="kvguard.engine_patch.scheduler"):
         failed = load.finish(records)
     assert failed == {"c"}
@@ -385,11 +420,11 @@ def apply(
 
 
 @FUZZ
-@given(st.lists(mutations(), min_size=1, max_size=3), st.booleans())
+@given(st.lists(mutations(), min_size=1, max_size=3), st.booleans(), st.booleans())
 # Groups unverified for different reasons (found by CI's random seed).
-@example([(0, ("record", "fingerprints"), {0: 0})], False)
+@example([(0, ("record", "fingerprints"), {0: 0})], False, False)
 def test_any_record_is_an_outcome_never_an_exception(
-    changes: list[tuple[int, tuple[Any, ...], Any]], fail_closed: bool
+    changes: list[tuple[int, tuple[Any, ...], Any]], fail_closed: bool, ship: bool
 ) -> None:
     load = clean_load(fail_closed)
     records: list[Any] = copy.deepcopy(load.records)
@@ -408,10 +443,53 @@ def test_any_record_is_an_outcome_never_an_exception(
     other_kind = {
         place: not _same_kind(first, now) for place, (first, now) in changed.items()
     }
+    if ship:
+        records = shipped(records)
     failed = load.finish(records)
     results = outcomes(load.scheduler)
     assert R.INTERNAL not in results
     verified = results == ["verified"]
-    if any(other_kind.values()):
+    if verified and ship:
+        # Shipping may turn a list into the tuple or frozenset a record's
+        # type names, never change what it says.
+        assert same_checksums(records, load.records)
+    elif any(other_kind.values()):
         assert not verified
     assert failed == ({"c"} if fail_closed and not verified else set())
+
+
+def same_checksums(records: list[Any], clean: list[KVChecksumRecord]) -> bool:
+    """Whether every record holds what the clean one does, as a scheduler
+    reads it (replica keys as tuples, skipped groups as a set)."""
+    for record, want in zip(records, clean, strict=True):
+        if type(record) is not KVChecksumRecord or (
+            record.pp_rank,
+            record.tp_rank,
+            record.fingerprints,
+            set(record.skipped_groups),
+            record.received,
+            record.checksums.keys(),
+        ) != (
+            want.pp_rank,
+            want.tp_rank,
+            want.fingerprints,
+            set(want.skipped_groups),
+            want.received,
+            want.checksums.keys(),
+        ):
+            return False
+        for req_id, groups in want.checksums.items():
+            got = record.checksums[req_id]
+            if got.keys() != groups.keys():
+                return False
+            for group_id, group in groups.items():
+                other = got[group_id]
+                if (
+                    other.start != group.start
+                    or [tuple(key) for key in other.replica_keys]
+                    != [tuple(key) for key in group.replica_keys]
+                    or other.values.dtype != group.values.dtype
+                    or not np.array_equal(other.values, group.values)
+                ):
+                    return False
+    return True

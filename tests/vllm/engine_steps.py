@@ -9,6 +9,7 @@ Needs vLLM importable and the tiny model's config (``ensure_model``).
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -249,16 +250,25 @@ def runner_output(
     )
 
 
+def shipped(obj: Any) -> Any:
+    """A copy of ``obj`` as vLLM's multiprocess executor sends it between the
+    engine and its workers: pickled."""
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def step(
-    scheduler: Scheduler, workers: Workers | None = None
+    scheduler: Scheduler, workers: Workers | None = None, pickled: bool = False
 ) -> tuple[SchedulerOutput, Any]:
     """One engine step: schedule, then the workers' output; the scheduler
-    output and the engine outputs of ``update_from_output``."""
+    output and the engine outputs of ``update_from_output``. ``pickled``:
+    the workers' output reaches the scheduler pickled, as from worker
+    processes."""
     output = scheduler.schedule()
     connector_output = workers.connector_output() if workers else KVConnectorOutput()
-    return output, scheduler.update_from_output(
-        output, runner_output(output, connector_output)
-    )
+    model_output = runner_output(output, connector_output)
+    if pickled:
+        model_output = shipped(model_output)
+    return output, scheduler.update_from_output(output, model_output)
 
 
 def kvguard_metadata(output: SchedulerOutput) -> KVGuardConnectorMetadata:
@@ -293,11 +303,16 @@ def kvguard_counts(engine_outputs: Any) -> dict[str, Any]:
 
 
 def produce(
-    scheduler: Scheduler, req_id: str, num_tokens: int, idle_steps: int = 0
+    scheduler: Scheduler,
+    req_id: str,
+    num_tokens: int,
+    idle_steps: int = 0,
+    pickled: bool = False,
 ) -> dict[str, Any]:
     """A producer request's life: its prefill step (its checksums computed
     by the workers), ``idle_steps`` while NIXL holds its blocks, the step
-    that reports them sent. KVGuard's counts summed over the steps."""
+    that reports them sent. KVGuard's counts summed over the steps;
+    ``pickled`` as for :func:`step`."""
     block_size = scheduler.cache_config.block_size
     scheduler.add_request(
         request(
@@ -312,15 +327,19 @@ def produce(
     steps = [Workers(checksums=checksums)]
     steps += [Workers() for _ in range(idle_steps)]
     steps.append(Workers(finished_sending={req_id}))
-    return _run(scheduler, steps)
+    return _run(scheduler, steps, pickled)
 
 
 def consume(
-    scheduler: Scheduler, req_id: str, num_tokens: int, corrupt: bool = False
+    scheduler: Scheduler,
+    req_id: str,
+    num_tokens: int,
+    corrupt: bool = False,
+    pickled: bool = False,
 ) -> dict[str, Any]:
     """A consumer request's load and first token: the step that starts the
     load, the step whose workers finish (and checksum) it, the next step.
-    KVGuard's counts summed over the steps."""
+    KVGuard's counts summed over the steps; ``pickled`` as for :func:`step`."""
     block_size = scheduler.cache_config.block_size
     sums = block_checksums(num_tokens, block_size=block_size)
     params = consumer_params(num_tokens, sums, block_size=block_size)
@@ -337,13 +356,16 @@ def consume(
             Workers(finished_recving={req_id}, checksums={req_id: loaded}),
             Workers(),
         ],
+        pickled,
     )
 
 
-def _run(scheduler: Scheduler, steps: list[Workers]) -> dict[str, Any]:
+def _run(
+    scheduler: Scheduler, steps: list[Workers], pickled: bool = False
+) -> dict[str, Any]:
     totals: dict[str, Any] = {}
     for workers in steps:
-        _, outputs = step(scheduler, workers)
+        _, outputs = step(scheduler, workers, pickled)
         for key, value in kvguard_counts(outputs).items():
             if isinstance(value, (int, float)):
                 totals[key] = totals.get(key, 0) + value

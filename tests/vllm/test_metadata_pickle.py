@@ -1,0 +1,95 @@
+"""KVGuard's connector metadata as vLLM's multiprocess executor sends it
+between the engine and its workers, pickled: KVGuard's part travels as one
+msgpack blob (``engine_patch.message_codec``), and loads verify (or fail)
+through it as in process."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from engine_steps import (
+    block_checksums,
+    consume,
+    make_scheduler,
+    produce,
+    shipped,
+    vllm_config,
+    worker_record,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from engine_patch.types import KVChecksumBlocks, KVChecksumRecord, KVChecksumScheduled
+from engine_patch.vllm.metadata import (
+    KVGuardConnectorMetadata,
+    KVGuardWorkerMetadata,
+    WorkerReport,
+)
+from engine_patch.vllm.scheduler import KVGuardScheduler
+
+pytestmark = pytest.mark.vllm
+
+
+def pickled(obj: object) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def test_a_workers_record_is_pickled_as_one_msgpack_blob() -> None:
+    sums = block_checksums(100)
+    meta = KVGuardWorkerMetadata(
+        None, [WorkerReport(worker_record({"r": sums}), ["r"])]
+    )
+    data = pickled(meta)
+    # Not its dataclasses and arrays one by one.
+    assert b"KVChecksumGroup" not in data
+    assert b"numpy" not in data
+    back = pickle.loads(data)
+    assert isinstance(back, KVGuardWorkerMetadata)
+    [report] = back.reports
+    assert report.finished_loads == ["r"]
+    assert isinstance(report.record, KVChecksumRecord)
+    assert np.array_equal(report.record.checksums["r"][0].values[:, 0], sums)
+
+
+def test_a_record_msgpack_cannot_carry_is_pickled_as_it_is() -> None:
+    record = KVChecksumRecord(0, 0, fingerprints={0: 2**70})
+    back = shipped(KVGuardWorkerMetadata(None, [WorkerReport(record, [])]))
+    # The scheduler's checks then find it malformed.
+    assert back.reports[0].record == record
+
+
+def test_the_steps_checksums_are_pickled_as_one_msgpack_blob() -> None:
+    scheduled = KVChecksumScheduled(
+        reqs_to_send={"p": KVChecksumBlocks(100, {0: (0, [5, 6, 7, 8])})},
+        reqs_to_recv={"c": KVChecksumBlocks(70, {0: (1, [9, 10])})},
+    )
+    meta = KVGuardConnectorMetadata(
+        KVConnectorMetadata(), True, scheduled, {"held": True}
+    )
+    data = pickled(meta)
+    assert b"KVChecksumBlocks" not in data
+    back = pickle.loads(data)
+    assert isinstance(back, KVGuardConnectorMetadata)
+    assert (back.checksums, back.hold_loads, back.verdicts) == (
+        scheduled,
+        True,
+        {"held": True},
+    )
+    assert (
+        shipped(KVGuardConnectorMetadata(KVConnectorMetadata(), False)).checksums
+        is None
+    )
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_a_load_is_judged_from_its_workers_pickled_output(corrupt: bool) -> None:
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_consumer"))
+    counts = consume(scheduler, "c", 100, corrupt=corrupt, pickled=True)
+    assert counts.get("verified", 0) == (0 if corrupt else 1)
+    assert counts.get("mismatch", 0) == (1 if corrupt else 0)
+
+
+def test_a_producer_sends_checksums_from_its_workers_pickled_output() -> None:
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_producer"))
+    assert produce(scheduler, "p", 100, pickled=True).get("sent") == 1
