@@ -129,6 +129,8 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner: KVConnectorBase_V1 = inner_cls(inner_config, role, kv_cache_config)
         self._scheduler: KVGuardSchedulerSide | None = None
         self._worker: KVGuardWorker | None = None
+        # The hold_loads the workers were last sent (build_connector_meta).
+        self._hold_loads_sent: bool | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVGuardSchedulerSide(
                 vllm_config, kv_cache_config, self._inner, self._settings
@@ -300,15 +302,19 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.get_mem_pool_context()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(connector_metadata, KVGuardConnectorMetadata)
         super().bind_connector_metadata(connector_metadata)
-        self._inner.bind_connector_metadata(connector_metadata.inner)
         assert self._worker is not None
-        self._worker.begin_step(
-            connector_metadata.checksums,
-            connector_metadata.verdicts,
-            hold_loads=connector_metadata.hold_loads,
-        )
+        if isinstance(connector_metadata, KVGuardConnectorMetadata):
+            self._inner.bind_connector_metadata(connector_metadata.inner)
+            self._worker.begin_step(
+                connector_metadata.checksums,
+                connector_metadata.verdicts,
+                hold_loads=connector_metadata.hold_loads,
+            )
+        else:
+            # The inner connector's alone: nothing of KVGuard's this step.
+            self._inner.bind_connector_metadata(connector_metadata)
+            self._worker.begin_step(None, {})
 
     def clear_connector_metadata(self) -> None:
         self._inner.clear_connector_metadata()
@@ -329,8 +335,9 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.reset_capture_state()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, KVGuardConnectorMetadata)
-        self._inner.handle_preemptions(kv_connector_metadata.inner)
+        if isinstance(kv_connector_metadata, KVGuardConnectorMetadata):
+            kv_connector_metadata = kv_connector_metadata.inner
+        self._inner.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._inner.start_load_kv(forward_context, **kwargs)
@@ -426,14 +433,17 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> KVConnectorMetadata:
+        """The inner connector's metadata, wrapped with KVGuard's only in
+        steps that have some for the workers: vLLM pickles the metadata to
+        its workers every step, and most steps have nothing of KVGuard's."""
         assert self._scheduler is not None
         checksums, verdicts = self._scheduler.build_meta(scheduler_output)
-        return KVGuardConnectorMetadata(
-            inner=self._inner.build_connector_meta(scheduler_output),
-            hold_loads=self._scheduler.hold_loads,
-            checksums=checksums,
-            verdicts=verdicts,
-        )
+        inner = self._inner.build_connector_meta(scheduler_output)
+        hold_loads = self._scheduler.hold_loads
+        if checksums is None and not verdicts and hold_loads == self._hold_loads_sent:
+            return inner
+        self._hold_loads_sent = hold_loads
+        return KVGuardConnectorMetadata(inner, hold_loads, checksums, verdicts)
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None

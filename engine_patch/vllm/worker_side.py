@@ -182,11 +182,11 @@ class KVGuardWorker:
         scheduled: KVChecksumScheduled | None,
         verdicts: Mapping[str, bool],
         *,
-        hold_loads: bool,
+        hold_loads: bool | None = None,
     ) -> None:
         """Take the scheduler's checksums and verdicts for this step, and
-        whether finished loads wait for their verdicts."""
-        if hold_loads != self._hold:
+        whether finished loads wait for their verdicts (None: as before)."""
+        if hold_loads is not None and hold_loads != self._hold:
             self._hold = hold_loads
             logger.info(
                 "KVGuard worker: finished KV loads %s.",

@@ -28,6 +28,7 @@ from engine_steps import (
     vllm_config,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -47,14 +48,16 @@ def corrupted() -> np.ndarray:
     return values
 
 
-def start_load(scheduler: Scheduler, req_id: str = "r1") -> None:
-    """Add a consumer request and run the step that starts its load."""
+def start_load(scheduler: Scheduler, req_id: str = "r1") -> SchedulerOutput:
+    """Add a consumer request and run the step that starts its load; that
+    step's output."""
     scheduler.add_request(
         request(req_id, NUM_TOKENS, consumer_params(NUM_TOKENS, CHECKSUMS))
     )
     output, _ = step(scheduler)
     assert not scheduled_ids(output)
     assert scheduler.requests[req_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return output
 
 
 def load_finishes(loaded: np.ndarray, req_id: str = "r1") -> Workers:
@@ -153,12 +156,9 @@ def test_the_async_scheduler_class_fails_a_corrupted_load_in_its_step() -> None:
 
 def test_connector_only_the_workers_hold_each_load_for_its_verdict() -> None:
     scheduler = make_scheduler(Scheduler, vllm_config("kv_consumer"))
-    start_load(scheduler)
+    assert kvguard_metadata(start_load(scheduler)).hold_loads is True
     # The workers checksum the finished load and hold it back from vLLM.
-    output, outputs = step(
-        scheduler, Workers(held={"r1"}, checksums={"r1": corrupted()})
-    )
-    assert kvguard_metadata(output).hold_loads is True
+    _, outputs = step(scheduler, Workers(held={"r1"}, checksums={"r1": corrupted()}))
     assert not finished(outputs)
     # The verdict goes to the workers in the next step's metadata, and they
     # report the load failed: a step later than with the scheduler class.

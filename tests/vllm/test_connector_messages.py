@@ -1,7 +1,9 @@
-"""KVGuard's connector metadata as vLLM's multiprocess executor sends it
-between the engine and its workers, pickled: KVGuard's part travels as one
-msgpack blob (``engine_patch.message_codec``), and loads verify (or fail)
-through it as in process."""
+"""What KVGuard's connector sends between vLLM's scheduler and its workers.
+
+vLLM's multiprocess executor pickles it every step: KVGuard's part travels
+as one msgpack blob (``engine_patch.message_codec``), loads verify (or
+fail) through it as in process, and a step with nothing of KVGuard's sends
+the inner connector's metadata alone."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import pytest
 from engine_steps import (
     block_checksums,
     consume,
+    consumer_params,
     make_scheduler,
     produce,
+    request,
     shipped,
+    step,
     vllm_config,
     worker_record,
 )
@@ -93,3 +98,22 @@ def test_a_load_is_judged_from_its_workers_pickled_output(corrupt: bool) -> None
 def test_a_producer_sends_checksums_from_its_workers_pickled_output() -> None:
     scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_producer"))
     assert produce(scheduler, "p", 100, pickled=True).get("sent") == 1
+
+
+def test_steps_with_nothing_for_the_workers_send_the_inner_metadata_alone() -> None:
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_consumer"))
+    # The first step tells the workers not to hold loads.
+    first, _ = step(scheduler)
+    assert isinstance(first.kv_connector_metadata, KVGuardConnectorMetadata)
+    assert first.kv_connector_metadata.hold_loads is False
+    idle, _ = step(scheduler)
+    assert type(idle.kv_connector_metadata) is type(first.kv_connector_metadata.inner)
+    # A load starts: its blocks go to the workers.
+    scheduler.add_request(request("c", 100, consumer_params(100, block_checksums(100))))
+    started, _ = step(scheduler)
+    meta = started.kv_connector_metadata
+    assert isinstance(meta, KVGuardConnectorMetadata)
+    assert meta.checksums is not None
+    assert list(meta.checksums.reqs_to_recv) == ["c"]
+    waiting, _ = step(scheduler)
+    assert not isinstance(waiting.kv_connector_metadata, KVGuardConnectorMetadata)
