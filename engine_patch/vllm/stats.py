@@ -35,21 +35,21 @@ _SECONDS = ("checksum_seconds", "hold_seconds", "scheduler_seconds")
 _BY_REASON = ("unverified", "not_sent")
 
 
+# The plain counts and seconds at zero; copied, not rebuilt, for each delta
+# the scheduler takes (one per outcome, with its caches cold).
+_ZERO_COUNTS: dict[str, Any] = {
+    **dict.fromkeys(_COUNTS, 0),
+    **dict.fromkeys(_SECONDS, 0.0),
+}
+
+
 def _empty_counts() -> dict[str, Any]:
-    counts: dict[str, Any] = dict.fromkeys(_COUNTS, 0)
-    counts.update(dict.fromkeys(_SECONDS, 0.0))
+    counts = _ZERO_COUNTS.copy()
     for key in _BY_REASON:
         counts[key] = {}
     # Engine request ids of the loads KVGuard failed: their error messages.
     counts["failed_requests"] = {}
     return counts
-
-
-# The plain counts and seconds of _empty_counts, copied for each delta.
-_ZERO_COUNTS: dict[str, Any] = {
-    key: value for key, value in _empty_counts().items() if key not in _BY_REASON
-}
-del _ZERO_COUNTS["failed_requests"]
 
 
 class Snapshot(NamedTuple):
@@ -90,13 +90,12 @@ def _by_reason_delta(
 
 def checksum_deltas(now: Snapshot, before: Snapshot) -> dict[str, Any]:
     """The scheduler's outcomes between two snapshots, as stats counts."""
-    counts = _ZERO_COUNTS.copy()
+    counts = _empty_counts()
     counts["verified"] = now.verified - before.verified
     counts["mismatch"] = now.mismatch - before.mismatch
     counts["sent"] = now.sent - before.sent
     counts["unverified"] = _by_reason_delta(now.unverified, before.unverified)
     counts["not_sent"] = _by_reason_delta(now.not_sent, before.not_sent)
-    counts["failed_requests"] = {}
     return counts
 
 
