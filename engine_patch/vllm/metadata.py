@@ -95,9 +95,6 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     inner: KVConnectorWorkerMetadata | None
     reports: list[WorkerReport] = field(default_factory=list)
 
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return KVGuardWorkerMetadata, (self.inner, self.reports)
-
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVGuardWorkerMetadata)
         if self.inner is None:
