@@ -223,3 +223,45 @@ def scheduled_values(
             block_sums(tokens[g], span, first, count, blocks.num_tokens),
         )
     return values
+
+
+def same_record(got: object, want: KVChecksumRecord, *, stored: bool = True) -> bool:
+    """Whether ``got`` is a record holding what ``want`` does, as the
+    scheduler reads it (replica keys as tuples, skipped groups as a set);
+    ``stored`` values too unless told not to (only loads of offloaded KV read
+    them)."""
+    if type(got) is not KVChecksumRecord or (
+        got.pp_rank,
+        got.tp_rank,
+        got.fingerprints,
+        set(got.skipped_groups),
+        got.received,
+        got.checksums.keys(),
+    ) != (
+        want.pp_rank,
+        want.tp_rank,
+        want.fingerprints,
+        set(want.skipped_groups),
+        want.received,
+        want.checksums.keys(),
+    ):
+        return False
+    for req_id, groups in want.checksums.items():
+        if got.checksums[req_id].keys() != groups.keys():
+            return False
+        for group_id, group in groups.items():
+            other = got.checksums[req_id][group_id]
+            if (
+                other.start != group.start
+                or [tuple(key) for key in other.replica_keys]
+                != [tuple(key) for key in group.replica_keys]
+                or other.values.dtype != group.values.dtype
+                or not np.array_equal(other.values, group.values)
+            ):
+                return False
+            if stored and not (
+                (other.stored is None) == (group.stored is None)
+                and (group.stored is None or np.array_equal(other.stored, group.stored))
+            ):
+                return False
+    return True
