@@ -4,7 +4,7 @@ not need torch."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -225,23 +225,36 @@ def scheduled_values(
     return values
 
 
-def same_record(got: object, want: KVChecksumRecord, *, stored: bool = True) -> bool:
+def same_record(
+    got: object,
+    want: KVChecksumRecord,
+    *,
+    groups: Collection[int] | None = None,
+    stored: bool = True,
+) -> bool:
     """Whether ``got`` is a record holding what ``want`` does, as the
-    scheduler reads it (replica keys as tuples, skipped groups as a set);
-    ``stored`` values too unless told not to (only loads of offloaded KV read
-    them)."""
-    if type(got) is not KVChecksumRecord or (
+    scheduler reads it: replica keys as tuples, skipped groups as a set,
+    and of those only ``groups`` if given (the scheduler looks up only the
+    load's groups); ``stored`` values too unless told not to (only loads of
+    offloaded KV read them)."""
+    if type(got) is not KVChecksumRecord:
+        return False
+    skipped, want_skipped = set(got.skipped_groups), set(want.skipped_groups)
+    if groups is not None:
+        skipped &= set(groups)
+        want_skipped &= set(groups)
+    if (
         got.pp_rank,
         got.tp_rank,
         got.fingerprints,
-        set(got.skipped_groups),
+        skipped,
         got.received,
         got.checksums.keys(),
     ) != (
         want.pp_rank,
         want.tp_rank,
         want.fingerprints,
-        set(want.skipped_groups),
+        want_skipped,
         want.received,
         want.checksums.keys(),
     ):
