@@ -26,7 +26,16 @@ own time per request (scheduler-side, worker checksums, loads held) and
 each round's medians.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py [--requests 40]
-        [--rounds 5] [--phases off,on,on+scheduler] [--out result.json]
+        [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
+        [--out result.json]
+
+NIXL's progress threads spin (``docs/vllm.md``, "Cores and NIXL's progress
+thread"); the harness runs them at nice 19, where a decode waits 80-600 ms
+for its KV whenever the producer's poller gets too little of the cores
+(``--pollers nice``, the default, as in the tests). ``--pollers focus``
+gives, for each request, the measured pair's pollers nice 0 (as if each had
+a core, vLLM's advice for production) and every other instance's
+``SCHED_IDLE``, the same for every phase.
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
@@ -61,7 +70,13 @@ TESTS = ROOT / "tests" / "vllm"
 sys.path[:0] = [str(TESTS), str(ROOT)]
 
 from vllm_client import MODEL_NAME, complete, metrics, prompts  # noqa: E402
-from vllm_servers import STARTUPS, EngineSpec, Servers, ensure_model  # noqa: E402
+from vllm_servers import (  # noqa: E402
+    STARTUPS,
+    EngineSpec,
+    Servers,
+    ensure_model,
+    set_poller_share,
+)
 
 DECODE_TOKENS = 16
 PHASES = ("off", "on", "on+scheduler")
@@ -164,6 +179,16 @@ def per_request(
     return result
 
 
+def focus_pollers(servers: Servers, phases: list[str], measured: str) -> None:
+    """The measured pair's NIXL pollers at nice 0, as with a core of their
+    own, every other instance's idle (``--pollers focus``): what is left of
+    two cores then goes to the pair being measured, whichever phase it is."""
+    for phase in phases:
+        share = "full" if phase == measured else "idle"
+        for side in ("producer", "consumer"):
+            set_poller_share(servers.engine(f"{phase}-{side}").niced, share)
+
+
 def probe_steps(servers: Servers, phase: str) -> list[int]:
     """The step probe's counts logged by the phase's consumer so far."""
     log = servers.engine(f"{phase}-consumer").log_path
@@ -202,6 +227,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     text = f"Round {r + 1}. {prompt}"
                     shift = (i + r) % len(phases)
                     for phase in phases[shift:] + phases[:shift]:
+                        if args.pollers == "focus":
+                            focus_pollers(servers, phases, phase)
                         rid = f"{phase}-r{r}-{i}-{time.time_ns()}"
                         sample = await pd_request(http, servers, phase, text, rid)
                         samples[phase][r].append(sample)
@@ -424,6 +451,13 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--pollers",
+        choices=("nice", "focus"),
+        default="nice",
+        help="NIXL's busy pollers: all at nice 19 (nice), or, per request, "
+        "the measured pair's at nice 0 and every other instance's idle (focus)",
+    )
     parser.add_argument(
         "--scheduler-cost",
         action="store_true",

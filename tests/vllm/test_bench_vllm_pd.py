@@ -11,4 +11,6 @@ pytestmark = pytest.mark.vllm
 
 
 def test_bench_vllm_pd_starts() -> None:
-    assert "--scheduler-cost" in script_help("benchmarks/bench_vllm_pd.py")
+    usage = script_help("benchmarks/bench_vllm_pd.py")
+    assert "--scheduler-cost" in usage
+    assert "--pollers" in usage

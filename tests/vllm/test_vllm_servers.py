@@ -1,8 +1,10 @@
 """The real-vLLM harness's own behaviour: a start stalled in NIXL's agent
-creation is named as such and started again once."""
+creation is named as such and started again once; the benchmark's shares of
+the CPU for NIXL's pollers set each thread's policy and nice value."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -64,3 +66,21 @@ async def test_a_stalled_start_is_started_again_once_and_then_fails(
     assert server.starts == 2
     assert "NIXL agent creation stalled" in server.restarted
     assert server.process is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a nice value needs root")
+def test_poller_shares_set_each_threads_policy_and_nice_value() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    tid = sleeper.pid
+    try:
+        vllm_servers.set_poller_share([tid], "idle")
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        vllm_servers.set_poller_share([tid], "full")
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        vllm_servers.set_poller_share([tid], "nice")
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -149,7 +149,7 @@ def thread_waits(pgid: int) -> str:
     return ", ".join(f"{key} x{count}" for key, count in sorted(waits.items()))
 
 
-def nice_busy_pollers(pgid: int) -> list[str]:
+def nice_busy_pollers(pgid: int) -> list[int]:
     """Lower to nice 19 the threads of an idle vLLM instance's workers that
     keep a core busy: NIXL's UCX progress thread.
 
@@ -168,14 +168,30 @@ def nice_busy_pollers(pgid: int) -> list[str]:
     still took four times the CPU of a starting instance's nice-0 threads.
 
     Returns:
-        What was lowered, for the startup summary.
+        The thread ids lowered.
     """
     lowered = []
     for tid in busy_threads(pgid):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, 19)
-            lowered.append(f"thread {tid}")
+            lowered.append(tid)
     return lowered
+
+
+def set_poller_share(tids: list[int], share: str) -> None:
+    """Give busy pollers a share of the CPU: ``"nice"`` (nice 19, as
+    :func:`nice_busy_pollers` left them), ``"full"`` (nice 0: a core's
+    worth against the engines, as with a core of its own) or ``"idle"``
+    (``SCHED_IDLE``: only what nothing else wants, below nice 19). A
+    benchmark gives the pair it measures ``"full"`` and idles the rest, so
+    that idle instances' pollers do not take the measured transfer's CPU."""
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            if share == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, 19 if share == "nice" else 0)
 
 
 def _process_state(pid: int) -> str:
@@ -367,7 +383,7 @@ class VllmServer(Server):
     started_s: float = 0.0
     ready_s: float = 0.0
     # Busy-polling threads lowered to nice 19 (nice_busy_pollers).
-    niced: list[str] = field(default_factory=list)
+    niced: list[int] = field(default_factory=list)
     # When this start's log first showed NIXL's agent creation pending.
     nixl_begun_s: float = 0.0
     # Why an earlier start of the same spec was abandoned, for the summary.
@@ -610,7 +626,11 @@ class Servers:
             server.start(spec)
         await asyncio.gather(*(self._ready(server, spec) for server, spec in changed))
         for server, spec in changed:
-            niced = f" [nice 19: {', '.join(server.niced)}]" if server.niced else ""
+            niced = (
+                f" [nice 19: {', '.join(f'thread {tid}' for tid in server.niced)}]"
+                if server.niced
+                else ""
+            )
             restarted = f" [restarted: {server.restarted}]" if server.restarted else ""
             STARTUPS.append(
                 (f"{server.name} ({spec.connector}){niced}{restarted}", server.ready_s)
