@@ -28,14 +28,6 @@ each round's medians.
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py [--requests 40]
         [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
         [--out result.json]
-
-NIXL's progress threads spin (``docs/vllm.md``, "Cores and NIXL's progress
-thread"); the harness runs them at nice 19, where a decode waits 80-600 ms
-for its KV whenever the producer's poller gets too little of the cores
-(``--pollers nice``, the default, as in the tests). ``--pollers focus``
-gives, for each request, the measured pair's pollers nice 0 (as if each had
-a core, vLLM's advice for production) and every other instance's
-``SCHED_IDLE``, the same for every phase.
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
@@ -44,6 +36,14 @@ consumer requests of several sizes and prints the scheduler-side time per
 request from KVGuard's stats (``scheduler_seconds``), fitted as a fixed
 cost plus a cost per block, and the time an idle engine step spends in
 KVGuard's connector.
+
+NIXL's progress threads spin (``docs/vllm.md``, "Cores and NIXL's progress
+thread"); the harness runs them at nice 19, where a decode waits 80-600 ms
+for its KV whenever the producer's poller gets too little of the cores
+(``--pollers nice``, the default, as in the tests). ``--pollers focus``
+gives, for each request, the measured pair's pollers nice 0 (as if each had
+a core, vLLM's advice for production) and every other instance's
+``SCHED_IDLE``, the same for every phase.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from vllm_client import MODEL_NAME, complete, metrics, prompts  # noqa: E402
 from vllm_servers import (  # noqa: E402
     STARTUPS,
     EngineSpec,
+    PollerShare,
     Servers,
     ensure_model,
     set_poller_share,
@@ -184,7 +185,7 @@ def focus_pollers(servers: Servers, phases: list[str], measured: str) -> None:
     own, every other instance's idle (``--pollers focus``): what is left of
     two cores then goes to the pair being measured, whichever phase it is."""
     for phase in phases:
-        share = "full" if phase == measured else "idle"
+        share: PollerShare = "full" if phase == measured else "idle"
         for side in ("producer", "consumer"):
             set_poller_share(servers.engine(f"{phase}-{side}").niced, share)
 

@@ -178,7 +178,10 @@ def nice_busy_pollers(pgid: int) -> list[int]:
     return lowered
 
 
-def set_poller_share(tids: list[int], share: str) -> None:
+PollerShare = Literal["nice", "full", "idle"]
+
+
+def set_poller_share(tids: list[int], share: PollerShare) -> None:
     """Give busy pollers a share of the CPU: ``"nice"`` (nice 19, as
     :func:`nice_busy_pollers` left them), ``"full"`` (nice 0: a core's
     worth against the engines, as with a core of its own) or ``"idle"``
