@@ -259,10 +259,10 @@ def same_record(
         want.checksums.keys(),
     ):
         return False
-    for req_id, groups in want.checksums.items():
-        if got.checksums[req_id].keys() != groups.keys():
+    for req_id, want_groups in want.checksums.items():
+        if got.checksums[req_id].keys() != want_groups.keys():
             return False
-        for group_id, group in groups.items():
+        for group_id, group in want_groups.items():
             other = got.checksums[req_id][group_id]
             if (
                 other.start != group.start
