@@ -35,14 +35,25 @@ class CacheHitSource(enum.Enum):
     OFFLOAD = "offload"
 
 
+# The null block's id (a block out of a sliding window): vLLM's block pool
+# makes its first block the null block.
+NULL_BLOCK_ID = 0
+
+
 class Block(Protocol):
-    """A KV cache block (vLLM's ``KVCacheBlock``)."""
+    """A KV cache block (vLLM's ``KVCacheBlock``); the null block's id is
+    ``NULL_BLOCK_ID``, and no other block's."""
 
     @property
     def block_id(self) -> int: ...
 
     @property
     def is_null(self) -> bool: ...
+
+
+# A request's block ids per KV cache group, as a host's scheduler lists them
+# for its workers (vLLM's ``NewRequestData.block_ids``).
+BlockIds = Sequence[Sequence[int]]
 
 
 class KVCacheBlocks(Protocol):

@@ -27,12 +27,14 @@ default); under fail-open they are logged and counted and proceed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from engine_patch.config import KVChecksumConfig
 from engine_patch.host import (
     KV_SENT_FINISH_REASONS,
+    NULL_BLOCK_ID,
     Block,
+    BlockIds,
     CacheHitSource,
     KVCacheBlocks,
     KVCacheManager,
@@ -144,13 +146,16 @@ class KVChecksumScheduler:
         request: Request,
         num_scheduled_tokens: int,
         kv_cache_manager: KVCacheManager,
+        block_ids: BlockIds | None = None,
     ) -> None:
         """Checksum a producer request's KV if this step, which schedules
         ``num_scheduled_tokens`` of it, finishes its prompt, for its consumer
         to verify after loading it.
 
         ``request.num_computed_tokens`` must already include this step's
-        tokens.
+        tokens. ``block_ids``, where the host has the request's at hand (a
+        new request's in vLLM's scheduler output), are read instead of
+        ``kv_cache_manager``'s blocks: no Python object per block.
         """
         num_tokens = request.num_computed_tokens
         num_prompt_tokens = request.num_prompt_tokens
@@ -159,8 +164,13 @@ class KVChecksumScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return
-        blocks = kv_cache_manager.get_blocks(request.request_id)
-        checksum_blocks, _ = self._blocks(blocks, 0, num_tokens)
+        checksum_blocks, _ = self._blocks(
+            block_ids
+            if block_ids is not None
+            else kv_cache_manager.get_blocks(request.request_id).blocks,
+            0,
+            num_tokens,
+        )
         # A new prefill (after a preemption) replaces an earlier one.
         self._sends[request.request_id] = PendingChecksums(checksum_blocks)
         self._scheduled.reqs_to_send[request.request_id] = checksum_blocks
@@ -195,7 +205,9 @@ class KVChecksumScheduler:
         if not remote_prefill:
             if sources and sources <= self._connector.get_kv_checksum_sources(request):
                 checksum_blocks, gaps = self._blocks(
-                    blocks, num_local_computed_tokens, request.num_computed_tokens
+                    blocks.blocks,
+                    num_local_computed_tokens,
+                    request.num_computed_tokens,
                 )
                 self._recvs[req_id] = PendingChecksums(
                     checksum_blocks,
@@ -208,7 +220,9 @@ class KVChecksumScheduler:
         if sources != {CacheHitSource.P2P}:
             return
         checksum_blocks, gaps = self._blocks(
-            blocks, num_local_computed_tokens, request.num_computed_tokens
+            blocks.blocks,
+            num_local_computed_tokens,
+            request.num_computed_tokens,
         )
         pending = PendingChecksums(checksum_blocks, num_local_computed_tokens, gaps)
         params = request.kv_transfer_params or {}
@@ -390,10 +404,14 @@ class KVChecksumScheduler:
         return to_send
 
     def _blocks(
-        self, blocks: KVCacheBlocks, start_token: int, end_token: int
+        self,
+        blocks: Sequence[Sequence[Block]] | BlockIds,
+        start_token: int,
+        end_token: int,
     ) -> tuple[KVChecksumBlocks, frozenset[int]]:
         """The blocks of each transfer group holding tokens in
-        ``[start_token, end_token)``, and the groups left out for a gap.
+        ``[start_token, end_token)``, and the groups left out for a gap;
+        ``blocks`` per group, as blocks or as a host's ids.
 
         Leading null blocks (out of a sliding window) are left out, as is a
         group with a null block after a non-null one (a gap). Sliding-window
@@ -408,10 +426,8 @@ class KVChecksumScheduler:
         for group_id, group in self._groups.items():
             spec = group.kv_cache_spec
             if isinstance(spec, MambaSpec):
-                block_ids = [
-                    b.block_id for b in blocks.blocks[group_id] if not b.is_null
-                ]
-                if block_ids:
+                ids = _ids_of(blocks[group_id])
+                if block_ids := [i for i in ids if i != NULL_BLOCK_ID]:
                     state = clip_ssm_state_blocks(
                         block_ids, spec.num_speculative_blocks
                     )
@@ -419,10 +435,9 @@ class KVChecksumScheduler:
                 continue
             block_size = spec.block_size
             first = start_token // block_size
+            ids = _ids_of(blocks[group_id][first : cdiv(end_token, block_size)])
             try:
-                run = _non_null_run(
-                    blocks.blocks[group_id], first, cdiv(end_token, block_size)
-                )
+                run = _non_null_run(ids, first)
             except ValueError:
                 gaps.add(group_id)
                 continue
@@ -498,27 +513,33 @@ class KVChecksumScheduler:
         return comparison
 
 
-def _non_null_run(
-    blocks: Sequence[Block], first: int, end: int
-) -> tuple[int, list[int]] | None:
-    """The position and ids of the non-null blocks in ``blocks[first:end]``,
-    if any.
+def _ids_of(blocks: Sequence[Block] | Sequence[int]) -> list[int]:
+    """The ids of ``blocks``, a host's ids as they are; a null block's is
+    ``NULL_BLOCK_ID``."""
+    if not blocks or isinstance(blocks[0], int):
+        ids = cast("Sequence[int]", blocks)
+        return ids if isinstance(ids, list) else list(ids)
+    return [
+        NULL_BLOCK_ID if b.is_null else b.block_id
+        for b in cast("Sequence[Block]", blocks)
+    ]
+
+
+def _non_null_run(ids: list[int], first: int) -> tuple[int, list[int]] | None:
+    """The position and ids of the non-null blocks of ``ids`` (block ids
+    from position ``first`` on), if any.
 
     Raises:
         ValueError: If a null block follows a non-null one.
 
     """
-    run = blocks[first:end]
-    block_ids = [block.block_id for block in run if not block.is_null]
-    if len(block_ids) == len(run):
-        return (first, block_ids) if block_ids else None
-    block_ids = []
+    # Ids are not negative: all() is "no null block", without a comparison
+    # per id.
+    if all(ids):
+        return (first, ids) if ids else None
     offset = 0
-    for block in run:
-        if not block.is_null:
-            block_ids.append(block.block_id)
-        elif block_ids:
-            raise ValueError("a null block after a non-null one")
-        else:
-            offset += 1
-    return (first + offset, block_ids) if block_ids else None
+    while offset < len(ids) and ids[offset] == NULL_BLOCK_ID:
+        offset += 1
+    if not all(ids[offset:]):
+        raise ValueError("a null block after a non-null one")
+    return (first + offset, ids[offset:]) if offset < len(ids) else None

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from engine_patch.host import NULL_BLOCK_ID
 from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.stats import KVChecksumStats
@@ -250,16 +251,34 @@ class KVGuardSchedulerSide:
     ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
         assert self._checksums is not None and self._kv_cache_manager is not None
         scheduled = scheduler_output.num_scheduled_tokens
+        new_block_ids: dict[str, tuple[list[int], ...]] | None = None
         for req_id, request in self._producers.items():
             if num_tokens := scheduled.get(req_id):
+                if new_block_ids is None:
+                    # A new request's blocks, as vLLM lists them for its
+                    # workers (the null block is id 0): read, not each block.
+                    new_block_ids = self._new_block_ids(scheduler_output)
                 self._checksums.add_send(
                     RequestAt(request, request.num_computed_tokens + num_tokens),
                     num_tokens,
                     self._kv_cache_manager,
+                    new_block_ids.get(req_id),
                 )
         self._loads_started = False
         verdicts, self._loads.verdicts = self._loads.verdicts, {}
         return self._checksums.build_checksum_meta(), verdicts
+
+    def _new_block_ids(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, tuple[list[int], ...]]:
+        """The block ids of the step's new requests, per group; none if
+        vLLM's null block is not id 0 (``NULL_BLOCK_ID``)."""
+        assert self._kv_cache_manager is not None
+        if self._kv_cache_manager.block_pool.null_block.block_id != NULL_BLOCK_ID:
+            return {}
+        return {
+            new.req_id: new.block_ids for new in scheduler_output.scheduled_new_reqs
+        }
 
     def on_request_finished(
         self, request: Request, kv_transfer_params: dict[str, Any] | None

@@ -93,18 +93,18 @@ def test_consumer_verifies_the_producers_kv_at_other_block_ids(
     producer.request_finished(request, params)
     assert KV_TRANSFER_PARAMS_KEY in params
 
-    # The consumer loads them into blocks 1, 0, 3.
+    # The consumer loads them into blocks 1, 4, 3 (block 0 is the null block).
     consumer = scheduler(consumer_tp)
     load = consumer_request("r", NUM_TOKENS, params)
     consumer.on_new_request(load)
     load.num_computed_tokens = NUM_TOKENS
-    consumer.add_recv(load, FakeBlocks.of([1, 0, 3]), 0)
+    consumer.add_recv(load, FakeBlocks.of([1, 4, 3]), 0)
     scheduled = consumer.build_checksum_meta()
     for src, dst in zip(produced, loaded, strict=True):
-        dst[[1, 0, 3]] = src[[5, 2, 7]]
+        dst[[1, 4, 3]] = src[[5, 2, 7]]
     if corrupt:
         # One bit of one token's V in the second block, on every copy.
-        loaded[1].view(torch.int16)[0, 3, 1, 20] ^= 1 << 9
+        loaded[1].view(torch.int16)[4, 3, 1, 20] ^= 1 << 9
     records = []
     for worker in workers(loaded, consumer_tp):
         worker.begin_step(scheduled)
