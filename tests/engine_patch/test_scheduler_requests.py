@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from kv_host_fakes import (
     FakeBlocks,
     FakeConnector,
@@ -25,6 +26,7 @@ from scheduler_harness import (
 )
 
 from engine_patch.config import KVChecksumConfig
+from engine_patch.host import NULL_BLOCK_ID
 from engine_patch.kv_cache import (
     KVCacheConfig,
     KVCacheGroup,
@@ -124,6 +126,44 @@ def test_blocks_leave_out_leading_nulls_and_groups_with_a_gap() -> None:
         0: (0, [1, 2, 3, 4, 5]),
         1: (2, [7, 8, 9]),
     }
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_a_hosts_block_ids_are_read_as_its_blocks(as_ids: bool) -> None:
+    # vLLM's scheduler output lists a new request's block ids, the null
+    # block as id 0: add_send reads them instead of the manager's blocks,
+    # with the same result.
+    config = kv_config(
+        full(),
+        SlidingWindowSpec(16, sliding_window=20),
+        full(),
+        MambaSpec(block_size=64),
+    )
+    scheduler = make_scheduler(config)
+    req = producer_request("p", 80)
+    req.num_computed_tokens = 80
+    groups = (
+        [1, 2, 3, 4, 5],
+        [None, 6, 7, 8, 9],
+        [10, None, 11, 12, 13],
+        [None, 14],
+    )
+    blocks = FakeBlocks.of(*groups)
+    ids = [[NULL_BLOCK_ID if i is None else i for i in group] for group in groups]
+    if as_ids:
+        scheduler.add_send(req, 80, FakeKVCacheManager({}), ids)
+    else:
+        scheduler.add_send(req, 80, FakeKVCacheManager({"p": blocks}))
+    scheduled = scheduler.build_checksum_meta()
+    assert scheduled is not None
+    assert scheduled.reqs_to_send["p"].groups == {
+        0: (0, [1, 2, 3, 4, 5]),
+        1: (2, [7, 8, 9]),
+        3: (0, [14]),
+    }
+    # The scheduler keeps copies: the host may extend its lists later.
+    ids[0].append(99)
+    assert scheduled.reqs_to_send["p"].groups[0] == (0, [1, 2, 3, 4, 5])
 
 
 def test_mamba_state_is_the_last_block_before_speculative_ones_at_position_0() -> None:
