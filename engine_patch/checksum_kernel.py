@@ -183,10 +183,12 @@ def host_row_sums_(
     mostly such calls, so on CPUs the eager pass is all numpy.
     """
     host_mix_(x, tmp)
-    x *= piece_weights
     # einsum's sums over axes run several times faster than ndarray.sum's
-    # over short inner axes (same wrapping int64 sums).
-    per_cell = np.einsum(_cell_sums(dims), x)
+    # over short inner axes (same wrapping int64 sums), and weighing in the
+    # same pass saves one over ``x``.
+    per_cell = np.einsum(
+        _weighted_cell_sums(dims), x, _parts_pieces(piece_weights, dims)
+    )
     num_blocks, block_tokens = positions.shape
     members, num_heads = head_weights.shape
     per_cell = per_cell.reshape(num_blocks, members, block_tokens, num_heads)
@@ -200,13 +202,27 @@ def host_row_sums_(
 
 
 @functools.cache
-def _cell_sums(dims: tuple[int, int, int, int]) -> str:
-    """The einsum of rows' per-cell sums ``[rows, tokens, heads]``, for rows
-    whose dims 1 to 4 hold parts, tokens, heads and pieces at ``dims``."""
+def _weighted_cell_sums(dims: tuple[int, int, int, int]) -> str:
+    """The einsum of rows' per-cell sums ``[rows, tokens, heads]`` weighed
+    by ``[parts, pieces]`` (in their dims' order), for rows whose dims 1 to 4
+    hold parts, tokens, heads and pieces at ``dims``."""
     axes = ["r", "", "", "", ""]
     for letter, dim in zip("pthq", dims, strict=True):
         axes[dim] = letter
-    return "".join(axes) + "->rth"
+    parts, _, _, pieces = dims
+    return "".join(axes) + (",pq" if parts < pieces else ",qp") + "->rth"
+
+
+def _parts_pieces(
+    piece_weights: np.ndarray, dims: tuple[int, int, int, int]
+) -> np.ndarray:
+    """Piece weights shaped to broadcast over a row's dims 1 to 4 (1 but in
+    its parts and pieces dims) as ``[parts, pieces]``, in their dims'
+    order."""
+    sizes = piece_weights.shape[-4:]
+    parts, _, _, pieces = dims
+    lo, hi = sorted((parts, pieces))
+    return piece_weights.reshape(sizes[lo - 1], sizes[hi - 1])
 
 
 def _block_sums(
