@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as shape_config
 
 from engine_patch.hashing import MIX_C1, MIX_C2
 from engine_patch.log import get_logger
@@ -317,7 +318,8 @@ def compiled_row_sums() -> RowSums | None:
     compiling failed.
 
     Shapes are dynamic, so chunks of any length and sources of any shape
-    share compiled code (a new dim order or dtype compiles once more).
+    share compiled code (a new dim order or dtype compiles once more, and a
+    pass of one block once: torch specializes a dim of size 1).
     """
     global _compiled
     with _compile_lock:
@@ -325,7 +327,14 @@ def compiled_row_sums() -> RowSums | None:
             kernel = torch.compile(row_sums, dynamic=True, options=_cpu_options())
 
             def call(*args):  # type: ignore[no-untyped-def]
-                with _inductor_cache():
+                # Without duck shapes: dynamo would otherwise take dims that
+                # happen to be equal when it compiles (two blocks, two
+                # heads) for one symbol, and compile again, for seconds
+                # (tens without a warm cache) inside an engine step, for
+                # every other block count.
+                # (``patch`` is installed at import: typed for no checker.)
+                no_duck_shapes = shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+                with _inductor_cache(), no_duck_shapes:
                     return kernel(*args)
 
             _compiled = call

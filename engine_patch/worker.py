@@ -1042,19 +1042,24 @@ class KVChecksumWorker:
         return self._compile and checksum_kernel.compiled_row_sums() is not None
 
     def warm_up(self) -> None:
-        """Run a pass over block 0 of every group, so that a compiled kernel
-        compiles now (at startup) rather than in the first step that needs
-        it. Waits for the device."""
-        # Two blocks: torch.compile specializes a dim of size 1.
-        blocks = KVChecksumBlocks(
-            2 * max((plan.block_size for plan in self._groups.values()), default=1),
-            {
-                group_id: (0, [0, 1][: plan.num_blocks])
-                for group_id, plan in self._groups.items()
-            },
-        )
-        if blocks.groups:
-            _host_array(self._run([("warm-up", blocks, False)], sends_only=False)[1])
+        """Run passes over blocks 0 and 1 of every group, so that a compiled
+        kernel compiles now (at startup) rather than in the first step that
+        needs it. Waits for the device."""
+        block_size = max((plan.block_size for plan in self._groups.values()), default=1)
+        # Two blocks, then one: torch.compile specializes a dim of size 1,
+        # so a pass of one block has code of its own.
+        for num_blocks in (2, 1):
+            blocks = KVChecksumBlocks(
+                num_blocks * block_size,
+                {
+                    group_id: (0, [0, 1][: min(num_blocks, plan.num_blocks)])
+                    for group_id, plan in self._groups.items()
+                },
+            )
+            if blocks.groups:
+                _host_array(
+                    self._run([("warm-up", blocks, False)], sends_only=False)[1]
+                )
 
     def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take the step's scheduled requests."""

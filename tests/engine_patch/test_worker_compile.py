@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from worker_helpers import (
     MIXED_REQUESTS,
     layers_in_one_buffer,
@@ -73,6 +74,44 @@ def test_compiled_kernel_equals_eager() -> None:
         for group_id in (0, 1):
             assert (got[req_id][group_id] == expected[req_id][group_id]).all()
     # The compiled kernel really ran (a failed compile falls back to eager).
+    assert compiled.compiled
+
+
+def test_after_warm_up_no_pass_compiles_again() -> None:
+    # A compile inside an engine step stalls the engine for seconds (tens
+    # with a cold cache), long enough for a producer's KV lease to lapse.
+    # The warm-up passes two blocks then one, and this model has two KV
+    # heads and two layers: dims that happen to be equal at the first
+    # compile must not be taken for one.
+    layers = layers_in_one_buffer(
+        KVLayout.PACKED_HND,
+        torch.bfloat16,
+        num_layers=2,
+        num_blocks=24,
+        block_size=16,
+        heads=2,
+        last=64,
+    )
+    compiled = KVChecksumWorker(layers, compile=True)
+    compiled.warm_up()
+    assert compiled.compiled
+    graphs = counters["stats"]["unique_graphs"]
+    eager = KVChecksumWorker(layers, compile=False)
+    steps = [
+        [("a", 8, {0: (0, [3])})],
+        [("b", 100, {0: (0, [4, 9, 2, 17, 5, 6, 7])})],
+        [
+            ("c", 3 * 16, {0: (0, [1, 2, 3])}),
+            ("d", 16 * 5 + 1, {0: (1, list(range(10, 15)))}),
+        ],
+        [("e", 16 * 20, {0: (0, list(range(1, 21)))})],
+    ]
+    for requests in steps:
+        got = recv_all(compiled, requests)
+        want = recv_all(eager, requests)
+        for req_id, _, _ in requests:
+            assert (got[req_id][0] == want[req_id][0]).all()
+    assert counters["stats"]["unique_graphs"] == graphs
     assert compiled.compiled
 
 
