@@ -26,12 +26,12 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-import torch.fx.experimental._config as shape_config
 
 from engine_patch.hashing import MIX_C1, MIX_C2
 from engine_patch.log import get_logger
@@ -43,6 +43,10 @@ logger = get_logger(__name__)
 COMPILE_ENV = "KVGUARD_CHECKSUM_COMPILE"
 # Where inductor keeps the fused kernel's code (else TORCHINDUCTOR_CACHE_DIR).
 CACHE_DIR_ENV = "KVGUARD_CHECKSUM_CACHE_DIR"
+# Logged (info) each time the fused kernel compiles, with the seconds it
+# took: at a worker's warm-up, and never after it (a compile in an engine
+# step stalls the engine).
+COMPILED_FOR_A_SHAPE = "KVGuard's fused checksum kernel compiled for new shapes"
 
 
 def _as_int64(value: int) -> int:
@@ -324,6 +328,10 @@ def compiled_row_sums() -> RowSums | None:
     global _compiled
     with _compile_lock:
         if _compiled is None and not _compile_failed:
+            # Imported here: eager passes need neither.
+            import torch.fx.experimental._config as shape_config
+            from torch._dynamo.utils import counters as dynamo_counters
+
             kernel = torch.compile(row_sums, dynamic=True, options=_cpu_options())
 
             def call(*args):  # type: ignore[no-untyped-def]
@@ -334,8 +342,17 @@ def compiled_row_sums() -> RowSums | None:
                 # every other block count.
                 # (``patch`` is installed at import: typed for no checker.)
                 no_duck_shapes = shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+                graphs = dynamo_counters["stats"]["unique_graphs"]
+                start = time.perf_counter()
                 with _inductor_cache(), no_duck_shapes:
-                    return kernel(*args)
+                    sums = kernel(*args)
+                if dynamo_counters["stats"]["unique_graphs"] != graphs:
+                    logger.info(
+                        "%s in %.1f s.",
+                        COMPILED_FOR_A_SHAPE,
+                        time.perf_counter() - start,
+                    )
+                return sums
 
             _compiled = call
         return None if _compile_failed else _compiled

@@ -1044,7 +1044,9 @@ class KVChecksumWorker:
     def warm_up(self) -> None:
         """Run passes over blocks 0 and 1 of every group, so that a compiled
         kernel compiles now (at startup) rather than in the first step that
-        needs it. Waits for the device."""
+        needs it. Call it in the grad mode the host's steps run in (vLLM's:
+        ``torch.inference_mode``): the compiled code is for that mode only.
+        Waits for the device."""
         block_size = max((plan.block_size for plan in self._groups.values()), default=1)
         # Two blocks, then one: torch.compile specializes a dim of size 1,
         # so a pass of one block has code of its own.

@@ -169,7 +169,11 @@ class KVGuardWorker:
                 os.path.join(vllm.envs.VLLM_CACHE_ROOT, "kvguard")
             )
         start = time.perf_counter()
-        checksums.warm_up()
+        # vLLM runs its steps, and so the passes, in inference mode; dynamo
+        # guards on it (tensors made there have no autograd keys), so a
+        # kernel warmed up outside it would compile again in a step.
+        with torch.inference_mode():
+            checksums.warm_up()
         if checksums.compiled:
             logger.info(
                 "KVGuard compiled its KV checksum kernel in %.1f s (code in %s).",

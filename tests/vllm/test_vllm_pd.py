@@ -37,6 +37,7 @@ from vllm_client import (
 )
 from vllm_servers import EngineSpec, Servers, busy_threads
 
+from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
 from engine_patch.payload import KVChecksumPayload
 from proxy.body import PREFILL_KV_PARAMS
 
@@ -50,9 +51,7 @@ pytestmark = [
 MODES = {"scheduler-class": True, "connector-only": False}
 
 KVGUARD_PRODUCER = EngineSpec("producer")
-# Fail-closed, policy "fail", eager checksums (the default). The compiled
-# kernel stays out of this suite until a clean load that mismatched on its
-# last block with it (once, in a fresh-clone run) is explained.
+# Fail-closed, policy "fail", eager checksums (the default).
 KVGUARD_CONSUMER = EngineSpec("consumer")
 PLAIN_PRODUCER = EngineSpec("producer", connector="nixl")
 
@@ -292,6 +291,37 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert_holds(change, mode)
     # A clean load's KV serves later requests of its prompt.
     assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
+
+
+async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    # The fused kernel ("compile": true) compiles while vLLM starts; loads of
+    # every size then run its code. A compile in an engine step would stall
+    # the engine for seconds (tens with a cold cache), and past a producer's
+    # 30 s KV lease its blocks can be reused before the pull.
+    await use(servers, KVGUARD_PRODUCER, replace(KVGUARD_CONSUMER, compile=True))
+    consumer = servers.engine(f"consumer-{mode}")
+    compiles_at_start = consumer.log_count(COMPILED_FOR_A_SHAPE)
+    assert compiles_at_start > 0, consumer.log_tail()
+    expected = await references(http, servers)
+    limit = asyncio.Semaphore(4)
+
+    async def one(i: int, prompt: str) -> None:
+        async with limit:
+            status, answer = await through_proxy(
+                http, servers, mode, prompt, f"compiled-{mode}-{i}"
+            )
+        assert status == 200, answer
+        assert text_of(answer) == expected[prompt], prompt
+
+    async with Changes(http, servers, mode) as change:
+        await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
+    assert change.consumer_count("checksum_verified") >= len(PROMPTS)
+    assert change.consumer_count("checksum_mismatch") == 0
+    assert change.consumer.get("kvguard_kv_checksum_unverified_total", 0) == 0
+    assert change.integrity_retries == 0
+    assert consumer.log_count(COMPILED_FOR_A_SHAPE) == compiles_at_start
 
 
 async def test_corrupted_loads_fail_open_are_counted_and_answered(
