@@ -262,23 +262,35 @@ async def test_prefill_returns_kv_checksums_in_kv_transfer_params(
     assert fingerprint != 0 and all(values)
 
 
-async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
-    http: aiohttp.ClientSession, servers: Servers, mode: str
+async def all_match_through_proxy(
+    http: aiohttp.ClientSession,
+    servers: Servers,
+    mode: str,
+    expected: dict[str, str],
+    name: str,
 ) -> None:
-    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
-    expected = await references(http, servers)
+    """Every prompt through the mode's proxy, four at a time (request ids
+    ``name-mode-i``): each answered 200 with the single instance's text."""
     limit = asyncio.Semaphore(4)
 
     async def one(i: int, prompt: str) -> None:
         async with limit:
             status, answer = await through_proxy(
-                http, servers, mode, prompt, f"clean-{mode}-{i}"
+                http, servers, mode, prompt, f"{name}-{mode}-{i}"
             )
         assert status == 200, answer
         assert text_of(answer) == expected[prompt], prompt
 
+    await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
+
+
+async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    expected = await references(http, servers)
     async with Changes(http, servers, mode) as change:
-        await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
+        await all_match_through_proxy(http, servers, mode, expected, "clean")
     verified = change.consumer_count("checksum_verified")
     # One verified load per request (and per retry that reached a load).
     assert len(PROMPTS) <= verified <= len(PROMPTS) + change.retries
@@ -305,18 +317,8 @@ async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_sta
     compiles_at_start = consumer.log_count(COMPILED_FOR_A_SHAPE)
     assert compiles_at_start > 0, consumer.log_tail()
     expected = await references(http, servers)
-    limit = asyncio.Semaphore(4)
-
-    async def one(i: int, prompt: str) -> None:
-        async with limit:
-            status, answer = await through_proxy(
-                http, servers, mode, prompt, f"compiled-{mode}-{i}"
-            )
-        assert status == 200, answer
-        assert text_of(answer) == expected[prompt], prompt
-
     async with Changes(http, servers, mode) as change:
-        await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(PROMPTS)))
+        await all_match_through_proxy(http, servers, mode, expected, "compiled")
     assert change.consumer_count("checksum_verified") >= len(PROMPTS)
     assert change.consumer_count("checksum_mismatch") == 0
     assert change.consumer.get("kvguard_kv_checksum_unverified_total", 0) == 0
