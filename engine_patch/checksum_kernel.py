@@ -110,7 +110,7 @@ def cache_dir() -> str | None:
 
 
 @contextlib.contextmanager
-def _inductor_cache() -> Iterator[None]:
+def inductor_cache() -> Iterator[None]:
     """Point inductor (and Triton) at :func:`cache_dir` for one call, and
     back: the host's own compiles keep theirs."""
     path = cache_dir()
@@ -275,8 +275,23 @@ def row_sums(
             (1 to 4).
 
     """
+    return gathered_row_sums(
+        src[rows], piece_weights, head_weights, positions, spans, dims
+    )
+
+
+def gathered_row_sums(
+    x: torch.Tensor,
+    piece_weights: torch.Tensor,
+    head_weights: torch.Tensor,
+    positions: torch.Tensor,
+    spans: int,
+    dims: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """:func:`row_sums` of rows already gathered into ``x``, without
+    overwriting it: the function the fused kernels compile."""
     parts, tokens, heads, pieces = dims
-    per_cell = (mix(src[rows]) * piece_weights).sum(dim=(parts, pieces))
+    per_cell = (mix(x) * piece_weights).sum(dim=(parts, pieces))
     return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
@@ -301,7 +316,7 @@ def gathered_row_sums_(
     return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
-def _cpu_options() -> dict[str, str | int | bool | Callable[..., Any]]:
+def cpu_options() -> dict[str, str | int | bool | Callable[..., Any]]:
     """Inductor options for CPUs: without AVX-512 (no 64-bit vector
     multiply) inductor's vectorized loops emulate int64 products element by
     element and run about 3x slower than plain scalar loops, so vectorizing
@@ -332,7 +347,7 @@ def compiled_row_sums() -> RowSums | None:
             import torch.fx.experimental._config as shape_config
             from torch._dynamo.utils import counters as dynamo_counters
 
-            kernel = torch.compile(row_sums, dynamic=True, options=_cpu_options())
+            kernel = torch.compile(row_sums, dynamic=True, options=cpu_options())
 
             def call(*args):  # type: ignore[no-untyped-def]
                 # Without duck shapes: dynamo would otherwise take dims that
@@ -344,18 +359,34 @@ def compiled_row_sums() -> RowSums | None:
                 no_duck_shapes = shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
                 graphs = dynamo_counters["stats"]["unique_graphs"]
                 start = time.perf_counter()
-                with _inductor_cache(), no_duck_shapes:
+                with inductor_cache(), no_duck_shapes:
                     sums = kernel(*args)
                 if dynamo_counters["stats"]["unique_graphs"] != graphs:
-                    logger.info(
-                        "%s in %.1f s.",
-                        COMPILED_FOR_A_SHAPE,
-                        time.perf_counter() - start,
-                    )
+                    count_compile(time.perf_counter() - start)
                 return sums
 
             _compiled = call
         return None if _compile_failed else _compiled
+
+
+_compiles = 0
+
+
+def count_compile(seconds: float) -> None:
+    """Log and count a compile of a fused kernel for new shapes."""
+    global _compiles
+    _compiles += 1
+    logger.info("%s in %.1f s.", COMPILED_FOR_A_SHAPE, seconds)
+
+
+def compiles() -> int:
+    """Fused kernels compiled in this process so far."""
+    return _compiles
+
+
+def can_compile() -> bool:
+    """Whether fused kernels may still be used: no compile failed."""
+    return not _compile_failed
 
 
 def compile_failed(error: BaseException) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine_patch import checksum_kernel
+from engine_patch import aot_kernel, checksum_kernel
 from engine_patch.hashing import (
     block_checksum_tags,
     hash64,
@@ -919,7 +919,7 @@ class KVChecksumWorker:
         self._compile = (
             checksum_kernel.compile_default() if compile is None else compile
         )
-        self._host_pass = host_pass and self._device.type == "cpu" and not self._compile
+        self._host_pass = host_pass and self._device.type == "cpu"
         self._groups: dict[int, _GroupPlan] = {}
         self._fingerprints: dict[int, int] = {}
         skipped: set[int] = set()
@@ -1039,6 +1039,8 @@ class KVChecksumWorker:
     @property
     def compiled(self) -> bool:
         """Whether passes run the fused (compiled) kernel."""
+        if self._host_pass:
+            return self._compile and checksum_kernel.can_compile()
         return self._compile and checksum_kernel.compiled_row_sums() is not None
 
     def warm_up(self) -> None:
@@ -1383,6 +1385,7 @@ class KVChecksumWorker:
                 assert source.host_piece_weights is not None
                 assert item.host_head_weights is not None
                 members = len(item.first_rows)
+                compiled = self._compile
                 chunk = max(1, budget // (members * source.row_bytes))
                 for first in range(0, len(positions), chunk):
                     end = min(len(positions), first + chunk)
@@ -1392,18 +1395,54 @@ class KVChecksumWorker:
                     x = source.host_gather(
                         rows[first * members : end * members], scratch[:numel]
                     )
-                    sums = checksum_kernel.host_row_sums_(
-                        x,
-                        scratch[numel : numel + x.size].reshape(x.shape),
-                        source.host_piece_weights,
-                        item.host_head_weights,
-                        positions[first:end],
-                        spans,
-                        source.dims,
+                    sums = None
+                    kernel = (
+                        self._host_kernel(item, spans, x, positions)
+                        if compiled
+                        else None
                     )
+                    if kernel is not None:
+                        try:
+                            sums = kernel(
+                                np.ascontiguousarray(x),
+                                source.host_piece_weights,
+                                item.host_head_weights,
+                                positions[first:end],
+                            )
+                        except Exception as e:  # The runner raises many kinds.
+                            checksum_kernel.compile_failed(e)
+                            compiled = False
+                    if sums is None:
+                        sums = checksum_kernel.host_row_sums_(
+                            x,
+                            scratch[numel : numel + x.size].reshape(x.shape),
+                            source.host_piece_weights,
+                            item.host_head_weights,
+                            positions[first:end],
+                            spans,
+                            source.dims,
+                        )
                     # Each value of a pass is one block's span: no index twice.
                     values[out[first * spans : end * spans]] += sums.reshape(-1)
         return values
+
+    @staticmethod
+    def _host_kernel(
+        item: _Work, spans: int, x: np.ndarray, positions: np.ndarray
+    ) -> aot_kernel.HostKernel | None:
+        """The fused kernel of a host pass over ``item``'s rows gathered as
+        ``x`` (built or loaded on first use), None once compiling failed."""
+        source = item.source
+        assert source.host_piece_weights is not None
+        assert item.host_head_weights is not None
+        return aot_kernel.host_kernel(
+            x.shape[1:],
+            source.dims,
+            spans,
+            source.host_piece_weights,
+            item.host_head_weights,
+            positions.shape[1],
+        )
 
     def _work_sums(
         self,

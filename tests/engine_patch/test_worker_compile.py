@@ -1,16 +1,22 @@
-"""The fused (torch.compile) checksum kernel gives the eager kernel's bits.
+"""The fused checksum kernels (AOTInductor packages for host passes,
+torch.compile on devices) give the eager kernel's bits, and compile only
+when a worker warms up.
 
-Compiling takes a few seconds per row shape with a warm inductor cache and
-about 20 s without; set KVGUARD_SKIP_COMPILE_TESTS=1 to skip it.
+Building a package takes about 10 s per row shape, loading a built one
+well under a second; set KVGUARD_SKIP_COMPILE_TESTS=1 to skip these tests.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from worker_helpers import (
     MIXED_REQUESTS,
     layers_in_one_buffer,
@@ -22,7 +28,7 @@ from worker_helpers import (
     unsharded,
 )
 
-from engine_patch import checksum_kernel
+from engine_patch import aot_kernel, checksum_kernel
 from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
 
 pytestmark = pytest.mark.skipif(
@@ -77,12 +83,18 @@ def test_compiled_kernel_equals_eager() -> None:
     assert compiled.compiled
 
 
-def test_after_warm_up_no_pass_compiles_again() -> None:
+def kernels_prepared() -> int:
+    """Fused kernels compiled or loaded from disk in this process."""
+    return checksum_kernel.compiles() + aot_kernel.loads()
+
+
+@pytest.mark.parametrize("host_pass", [True, False], ids=["package", "dynamo"])
+def test_after_warm_up_no_pass_compiles_again(host_pass: bool) -> None:
     # A compile inside an engine step stalls the engine for seconds (tens
     # with a cold cache), long enough for a producer's KV lease to lapse.
     # The warm-up passes two blocks then one, and this model has two KV
     # heads and two layers: dims that happen to be equal at the first
-    # compile must not be taken for one.
+    # compile must not be taken for one (torch.compile's duck shapes).
     layers = layers_in_one_buffer(
         KVLayout.PACKED_HND,
         torch.bfloat16,
@@ -92,10 +104,10 @@ def test_after_warm_up_no_pass_compiles_again() -> None:
         heads=2,
         last=64,
     )
-    compiled = KVChecksumWorker(layers, compile=True)
+    compiled = KVChecksumWorker(layers, compile=True, host_pass=host_pass)
     compiled.warm_up()
     assert compiled.compiled
-    graphs = counters["stats"]["unique_graphs"]
+    prepared = kernels_prepared()
     eager = KVChecksumWorker(layers, compile=False)
     steps = [
         [("a", 8, {0: (0, [3])})],
@@ -111,7 +123,7 @@ def test_after_warm_up_no_pass_compiles_again() -> None:
         want = recv_all(eager, requests)
         for req_id, _, _ in requests:
             assert (got[req_id][0] == want[req_id][0]).all()
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert kernels_prepared() == prepared
     assert compiled.compiled
 
 
@@ -143,7 +155,7 @@ def test_the_kernel_compiles_into_the_cache_dir_it_is_given(
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv(checksum_kernel.CACHE_DIR_ENV, str(tmp_path))
     assert checksum_kernel.cache_dir() == str(tmp_path)
-    with checksum_kernel._inductor_cache():
+    with checksum_kernel.inductor_cache():
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
         assert os.environ["TRITON_CACHE_DIR"] == os.path.join(tmp_path, "triton")
     # The host's own compiles keep their cache.
@@ -155,3 +167,141 @@ def test_the_kernel_compiles_into_the_cache_dir_it_is_given(
         assert checksum_kernel.cache_dir() == "/vllm/cache/kvguard"
     finally:
         checksum_kernel.set_cache_dir(None)
+
+
+def tiny_llama_layers() -> list[KVLayer]:
+    """Two layers of 2 KV heads x 32 (bf16, packed HND, 16-token blocks) in
+    one buffer, as vLLM allocates them on a CPU."""
+    return layers_in_one_buffer(
+        KVLayout.PACKED_HND,
+        torch.bfloat16,
+        num_layers=2,
+        num_blocks=16,
+        block_size=16,
+        heads=2,
+        last=64,
+    )
+
+
+STEPS = [
+    [("a", 8, {0: (0, [3])})],
+    [("b", 100, {0: (0, [4, 9, 2, 11, 5, 6, 7])})],
+]
+
+
+def assert_equals_eager(worker: KVChecksumWorker, layers: list[KVLayer]) -> None:
+    eager = KVChecksumWorker(layers, compile=False)
+    for requests in STEPS:
+        got = recv_all(worker, requests)
+        want = recv_all(eager, requests)
+        for req_id, _, _ in requests:
+            assert (got[req_id][0] == want[req_id][0]).all()
+
+
+@pytest.fixture
+def fresh_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """An empty package folder, and no kernel loaded in this process yet (as
+    in a new one)."""
+    monkeypatch.setattr(aot_kernel, "_kernels", {})
+    checksum_kernel.set_cache_dir(str(tmp_path))
+    yield tmp_path
+    checksum_kernel.set_cache_dir(None)
+
+
+def test_a_later_process_loads_the_package_instead_of_compiling(
+    monkeypatch: pytest.MonkeyPatch, fresh_packages: Path
+) -> None:
+    layers = tiny_llama_layers()
+    first = KVChecksumWorker(layers, compile=True)
+    compiles, loads = checksum_kernel.compiles(), aot_kernel.loads()
+    first.warm_up()
+    assert checksum_kernel.compiles() == compiles + 1
+    assert aot_kernel.loads() == loads
+    assert len(list(fresh_packages.glob("kvguard_aot/*.pt2"))) == 1
+    # A new process: nothing in memory, the package on disk.
+    monkeypatch.setattr(aot_kernel, "_kernels", {})
+    later = KVChecksumWorker(layers, compile=True)
+    later.warm_up()
+    assert checksum_kernel.compiles() == compiles + 1
+    assert aot_kernel.loads() == loads + 1
+    assert later.compiled
+    assert_equals_eager(later, layers)
+
+
+def test_a_damaged_package_is_compiled_again(
+    monkeypatch: pytest.MonkeyPatch, fresh_packages: Path
+) -> None:
+    layers = tiny_llama_layers()
+    KVChecksumWorker(layers, compile=True).warm_up()
+    (package,) = fresh_packages.glob("kvguard_aot/*.pt2")
+    package.write_bytes(package.read_bytes()[:1000])
+    monkeypatch.setattr(aot_kernel, "_kernels", {})
+    compiles = checksum_kernel.compiles()
+    worker = KVChecksumWorker(layers, compile=True)
+    worker.warm_up()
+    assert checksum_kernel.compiles() == compiles + 1
+    assert worker.compiled
+    assert_equals_eager(worker, layers)
+
+
+def test_a_kernel_that_differs_from_the_eager_pass_is_never_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # E.g. a compiler bug, or a package that is not what its name says.
+    monkeypatch.setattr(aot_kernel, "_kernels", {})
+    monkeypatch.setattr(checksum_kernel, "_compile_failed", False)
+    run = aot_kernel.HostKernel.__call__
+
+    def off_by_one(self: aot_kernel.HostKernel, *args: np.ndarray) -> np.ndarray:
+        return run(self, *args) + 1
+
+    monkeypatch.setattr(aot_kernel.HostKernel, "__call__", off_by_one)
+    layers = tiny_llama_layers()
+    worker = KVChecksumWorker(layers, compile=True)
+    worker.warm_up()
+    assert not worker.compiled
+    # The passes are eager, and right.
+    assert_equals_eager(worker, layers)
+
+
+WARM_UP_IN_A_NEW_PROCESS = """
+import sys
+import torch
+from engine_patch import aot_kernel, checksum_kernel
+from engine_patch.worker import KVChecksumWorker, KVLayout
+sys.path.insert(0, {helpers!r})
+from worker_helpers import layers_in_one_buffer
+checksum_kernel.set_cache_dir({cache!r})
+layers = layers_in_one_buffer(
+    KVLayout.PACKED_HND, torch.bfloat16, num_layers=2, num_blocks=16,
+    block_size=16, heads=2, last=64,
+)
+worker = KVChecksumWorker(layers, compile=True)
+worker.warm_up()
+assert worker.compiled
+print(checksum_kernel.compiles(), aot_kernel.loads())
+"""
+
+
+def test_workers_starting_together_build_a_package_once(tmp_path: Path) -> None:
+    # TP ranks, or engines sharing a machine, warm up at the same time.
+    script = WARM_UP_IN_A_NEW_PROCESS.format(
+        helpers=str(Path(__file__).parent), cache=str(tmp_path)
+    )
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for process in starts:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        compiles, loads = map(int, out.split())
+        results.append((compiles, loads))
+    # One built it, the other waited and loaded it.
+    assert sorted(results) == [(0, 1), (1, 0)]
