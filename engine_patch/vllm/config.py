@@ -55,8 +55,9 @@ class ChecksumSettings(_Settings):
     vLLM's ``kv_load_failure_policy`` decides what happens to its request;
     fail-open (``false``, an explicit opt-in for rollouts) counts and logs it
     and lets the request decode.
-    ``compile``: fuse the worker's checksum with ``torch.compile``, compiled
-    when the KV cache is registered (into ``$VLLM_CACHE_ROOT/kvguard``).
+    ``compile``: run the worker's checksum as one fused kernel (on CPUs an
+    AOTInductor package, built once per machine), prepared when the KV
+    cache is registered (into ``$VLLM_CACHE_ROOT/kvguard``).
     """
 
     enabled: bool = True

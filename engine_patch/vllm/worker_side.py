@@ -158,10 +158,11 @@ class KVGuardWorker:
 
     @staticmethod
     def _warm_up(checksums: KVChecksumWorker) -> None:
-        """Compile the fused kernel now, while vLLM starts, rather than in the
-        first step that checksums (tens of seconds on a CPU, less with its code
-        cached): into ``$VLLM_CACHE_ROOT/kvguard`` unless
-        ``KVGUARD_CHECKSUM_CACHE_DIR`` names another folder."""
+        """Build or load the fused kernel now, while vLLM starts, rather than
+        in the first step that checksums (about 10 s per row shape to build on
+        a CPU, under a second to load one built before): into
+        ``$VLLM_CACHE_ROOT/kvguard`` unless ``KVGUARD_CHECKSUM_CACHE_DIR``
+        names another folder."""
         import vllm.envs
 
         if checksum_kernel.cache_dir() is None:
@@ -170,13 +171,13 @@ class KVGuardWorker:
             )
         start = time.perf_counter()
         # vLLM runs its steps, and so the passes, in inference mode; dynamo
-        # guards on it (tensors made there have no autograd keys), so a
-        # kernel warmed up outside it would compile again in a step.
+        # (a device's kernel) guards on it, so a kernel warmed up outside it
+        # would compile again in a step.
         with torch.inference_mode():
             checksums.warm_up()
         if checksums.compiled:
             logger.info(
-                "KVGuard compiled its KV checksum kernel in %.1f s (code in %s).",
+                "KVGuard prepared its KV checksum kernel in %.1f s (code in %s).",
                 time.perf_counter() - start,
                 checksum_kernel.cache_dir(),
             )

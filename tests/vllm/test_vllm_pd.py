@@ -37,6 +37,7 @@ from vllm_client import (
 )
 from vllm_servers import EngineSpec, Servers, busy_threads
 
+from engine_patch.aot_kernel import LOADED_FOR_A_SHAPE
 from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
 from engine_patch.payload import KVChecksumPayload
 from proxy.body import PREFILL_KV_PARAMS
@@ -308,13 +309,19 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
 async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
     http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
-    # The fused kernel ("compile": true) compiles while vLLM starts; loads of
-    # every size then run its code. A compile in an engine step would stall
-    # the engine for seconds (tens with a cold cache), and past a producer's
-    # 30 s KV lease its blocks can be reused before the pull.
+    # The fused kernel ("compile": true) is compiled (or loaded, once built)
+    # while vLLM starts; loads of every size then run its code. A compile in
+    # an engine step would stall the engine for seconds, and past a
+    # producer's 30 s KV lease its blocks can be reused before the pull.
     await use(servers, KVGUARD_PRODUCER, replace(KVGUARD_CONSUMER, compile=True))
     consumer = servers.engine(f"consumer-{mode}")
-    compiles_at_start = consumer.log_count(COMPILED_FOR_A_SHAPE)
+
+    def kernels_prepared() -> int:
+        return consumer.log_count(COMPILED_FOR_A_SHAPE) + consumer.log_count(
+            LOADED_FOR_A_SHAPE
+        )
+
+    compiles_at_start = kernels_prepared()
     assert compiles_at_start > 0, consumer.log_tail()
     expected = await references(http, servers)
     async with Changes(http, servers, mode) as change:
@@ -323,7 +330,7 @@ async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_sta
     assert change.consumer_count("checksum_mismatch") == 0
     assert change.consumer.get("kvguard_kv_checksum_unverified_total", 0) == 0
     assert change.integrity_retries == 0
-    assert consumer.log_count(COMPILED_FOR_A_SHAPE) == compiles_at_start
+    assert kernels_prepared() == compiles_at_start
 
 
 async def test_corrupted_loads_fail_open_are_counted_and_answered(
