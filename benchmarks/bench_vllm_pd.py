@@ -8,7 +8,9 @@ time, then all six up, so that every phase sees the same machine):
 - ``off``: plain NixlConnector on both;
 - ``on``: KVGuardConnector (fail-closed) around it, the connector only;
 - ``on+scheduler``: the same with KVGuard's scheduler class
-  (``--scheduler-cls``: same-step verdicts).
+  (``--scheduler-cls``: same-step verdicts);
+- ``on+scheduler+compiled`` (only if named in ``--phases``): the same with
+  the fused checksum kernel (``"compile": true``).
 
 After warm-up requests, each of ``--rounds`` rounds sends every prompt to
 every phase, one P/D request at a time straight to the engines, the
@@ -95,6 +97,11 @@ def phase_specs(phase: str) -> tuple[EngineSpec, EngineSpec]:
         )
     elif phase == "on+scheduler":
         specs = EngineSpec("producer"), EngineSpec("consumer")
+    elif phase == "on+scheduler+compiled":
+        specs = (
+            EngineSpec("producer", compile=True),
+            EngineSpec("consumer", compile=True),
+        )
     else:
         raise SystemExit(f"unknown phase {phase}")
     producer, consumer = specs

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_patch import checksum_kernel
+from engine_patch import checksum_kernel, hashing
 from engine_patch.log import get_logger
 
 logger = get_logger(__name__)
@@ -328,6 +328,6 @@ def _package_dir() -> Path:
 def _source_digest() -> str:
     """A hash of the code a package is built from."""
     digest = hashlib.sha256()
-    for module in (checksum_kernel.__file__, __file__):
+    for module in (checksum_kernel.__file__, hashing.__file__, __file__):
         digest.update(Path(module).read_bytes())
     return digest.hexdigest()
