@@ -83,6 +83,20 @@ def test_compiled_kernel_equals_eager() -> None:
     assert compiled.compiled
 
 
+def tiny_llama_layers(num_blocks: int = 16) -> list[KVLayer]:
+    """Two layers of 2 KV heads x 32 (bf16, packed HND, 16-token blocks) in
+    one buffer, as vLLM allocates them on a CPU."""
+    return layers_in_one_buffer(
+        KVLayout.PACKED_HND,
+        torch.bfloat16,
+        num_layers=2,
+        num_blocks=num_blocks,
+        block_size=16,
+        heads=2,
+        last=64,
+    )
+
+
 def kernels_prepared() -> int:
     """Fused kernels compiled or loaded from disk in this process."""
     return checksum_kernel.compiles() + aot_kernel.loads()
@@ -95,15 +109,7 @@ def test_after_warm_up_no_pass_compiles_again(host_pass: bool) -> None:
     # The warm-up passes two blocks then one, and this model has two KV
     # heads and two layers: dims that happen to be equal at the first
     # compile must not be taken for one (torch.compile's duck shapes).
-    layers = layers_in_one_buffer(
-        KVLayout.PACKED_HND,
-        torch.bfloat16,
-        num_layers=2,
-        num_blocks=24,
-        block_size=16,
-        heads=2,
-        last=64,
-    )
+    layers = tiny_llama_layers(num_blocks=24)
     compiled = KVChecksumWorker(layers, compile=True, host_pass=host_pass)
     compiled.warm_up()
     assert compiled.compiled
@@ -167,20 +173,6 @@ def test_the_kernel_compiles_into_the_cache_dir_it_is_given(
         assert checksum_kernel.cache_dir() == "/vllm/cache/kvguard"
     finally:
         checksum_kernel.set_cache_dir(None)
-
-
-def tiny_llama_layers() -> list[KVLayer]:
-    """Two layers of 2 KV heads x 32 (bf16, packed HND, 16-token blocks) in
-    one buffer, as vLLM allocates them on a CPU."""
-    return layers_in_one_buffer(
-        KVLayout.PACKED_HND,
-        torch.bfloat16,
-        num_layers=2,
-        num_blocks=16,
-        block_size=16,
-        heads=2,
-        last=64,
-    )
 
 
 STEPS = [
@@ -266,17 +258,12 @@ def test_a_kernel_that_differs_from_the_eager_pass_is_never_used(
 
 WARM_UP_IN_A_NEW_PROCESS = """
 import sys
-import torch
 from engine_patch import aot_kernel, checksum_kernel
-from engine_patch.worker import KVChecksumWorker, KVLayout
+from engine_patch.worker import KVChecksumWorker
 sys.path.insert(0, {helpers!r})
-from worker_helpers import layers_in_one_buffer
+from test_worker_compile import tiny_llama_layers
 checksum_kernel.set_cache_dir({cache!r})
-layers = layers_in_one_buffer(
-    KVLayout.PACKED_HND, torch.bfloat16, num_layers=2, num_blocks=16,
-    block_size=16, heads=2, last=64,
-)
-worker = KVChecksumWorker(layers, compile=True)
+worker = KVChecksumWorker(tiny_llama_layers(), compile=True)
 worker.warm_up()
 assert worker.compiled
 print(checksum_kernel.compiles(), aot_kernel.loads())
