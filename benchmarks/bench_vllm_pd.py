@@ -261,8 +261,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     flush=True,
                 )
             steps = {p: probe_steps(servers, p)[steps_before[p] :] for p in phases}
-        finally:
+        except BaseException:
             servers.stop()
+            raise
+        try:
+            servers.stop()
+        except RuntimeError as e:
+            # An engine the kernel has not let go of yet (killed, in state D):
+            # the measurements stand.
+            print(f"warning: {e}", file=sys.stderr)
     return summarize(phases, samples, own, steps)
 
 
