@@ -154,8 +154,11 @@ def host_kernel(
         head_weights.shape,
         tokens,
     )
+    # After any failure, eager for good: a kernel prepared before it too.
+    if not checksum_kernel.can_compile():
+        return None
     kernel = _kernels.get(key)
-    if kernel is not None or not checksum_kernel.can_compile():
+    if kernel is not None:
         return kernel
     with _lock:
         kernel = _kernels.get(key)

@@ -1385,7 +1385,6 @@ class KVChecksumWorker:
                 assert source.host_piece_weights is not None
                 assert item.host_head_weights is not None
                 members = len(item.first_rows)
-                compiled = self._compile
                 chunk = max(1, budget // (members * source.row_bytes))
                 for first in range(0, len(positions), chunk):
                     end = min(len(positions), first + chunk)
@@ -1398,7 +1397,7 @@ class KVChecksumWorker:
                     sums = None
                     kernel = (
                         self._host_kernel(item, spans, x, positions)
-                        if compiled
+                        if self._compile
                         else None
                     )
                     if kernel is not None:
@@ -1410,8 +1409,8 @@ class KVChecksumWorker:
                                 positions[first:end],
                             )
                         except Exception as e:  # The runner raises many kinds.
+                            # Eager from here on, for every pass.
                             checksum_kernel.compile_failed(e)
-                            compiled = False
                     if sums is None:
                         sums = checksum_kernel.host_row_sums_(
                             x,

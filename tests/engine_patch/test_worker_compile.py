@@ -292,3 +292,25 @@ def test_workers_starting_together_build_a_package_once(tmp_path: Path) -> None:
         results.append((compiles, loads))
     # One built it, the other waited and loaded it.
     assert sorted(results) == [(0, 1), (1, 0)]
+
+
+def test_a_kernel_that_fails_in_a_pass_is_not_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(checksum_kernel, "_compile_failed", False)
+    layers = tiny_llama_layers()
+    worker = KVChecksumWorker(layers, compile=True)
+    worker.warm_up()
+    assert worker.compiled
+    calls = 0
+
+    def broken(self: aot_kernel.HostKernel, *args: np.ndarray) -> np.ndarray:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("the runner broke")
+
+    monkeypatch.setattr(aot_kernel.HostKernel, "__call__", broken)
+    # Both steps right (eager), and the broken kernel tried only once.
+    assert_equals_eager(worker, layers)
+    assert calls == 1
+    assert not worker.compiled
