@@ -514,15 +514,13 @@ class KVChecksumScheduler:
 
 
 def _ids_of(blocks: Sequence[Block] | Sequence[int]) -> list[int]:
-    """The ids of ``blocks``, a host's ids as they are; a null block's is
-    ``NULL_BLOCK_ID``."""
+    """The ids of ``blocks``, a host's ids as they are. The null block's id is
+    ``NULL_BLOCK_ID`` (``Block``), so no block's ``is_null`` is read: one
+    attribute per block, as vLLM lists them for its workers."""
     if not blocks or isinstance(blocks[0], int):
         ids = cast("Sequence[int]", blocks)
         return ids if isinstance(ids, list) else list(ids)
-    return [
-        NULL_BLOCK_ID if b.is_null else b.block_id
-        for b in cast("Sequence[Block]", blocks)
-    ]
+    return [b.block_id for b in cast("Sequence[Block]", blocks)]
 
 
 def _non_null_run(ids: list[int], first: int) -> tuple[int, list[int]] | None:

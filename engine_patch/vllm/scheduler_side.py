@@ -43,7 +43,12 @@ from engine_patch.log import get_logger
 from engine_patch.scheduler import KVChecksumScheduler
 from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
-from engine_patch.vllm.host import ConnectorHooks, RequestAt, convert_kv_cache_config
+from engine_patch.vllm.host import (
+    ConnectorHooks,
+    RequestAt,
+    UnsupportedKVCacheError,
+    convert_kv_cache_config,
+)
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
 from engine_patch.vllm.prefix_cache import (
     keep_blocks_out_of_prefix_cache,
@@ -85,6 +90,9 @@ class _Finished:
 
     request: Request
     kv_transfer_params: dict[str, Any] | None
+    # Whether it may send checksums (a producer request): only then can
+    # sending it change the outcome counts.
+    producer: bool
 
 
 @dataclass
@@ -190,6 +198,18 @@ class KVGuardSchedulerSide:
         self._same_step = True
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Keep the engine's KV cache manager (a producer's blocks).
+
+        Raises:
+            UnsupportedKVCacheError: If vLLM's null block is not id
+                ``NULL_BLOCK_ID``: block ids are read as vLLM lists them for
+                its workers, the null block by its id.
+        """
+        null_id = kv_cache_manager.block_pool.null_block.block_id
+        if self._checksums is not None and null_id != NULL_BLOCK_ID:
+            raise UnsupportedKVCacheError(
+                f"vLLM's null block is block {null_id}, not {NULL_BLOCK_ID}"
+            )
         self._kv_cache_manager = kv_cache_manager
 
     def on_new_request(self, request: Request) -> None:
@@ -268,14 +288,11 @@ class KVGuardSchedulerSide:
         verdicts, self._loads.verdicts = self._loads.verdicts, {}
         return self._checksums.build_checksum_meta(), verdicts
 
+    @staticmethod
     def _new_block_ids(
-        self, scheduler_output: SchedulerOutput
+        scheduler_output: SchedulerOutput,
     ) -> dict[str, tuple[list[int], ...]]:
-        """The block ids of the step's new requests, per group; none if
-        vLLM's null block is not id 0 (``NULL_BLOCK_ID``)."""
-        assert self._kv_cache_manager is not None
-        if self._kv_cache_manager.block_pool.null_block.block_id != NULL_BLOCK_ID:
-            return {}
+        """The block ids of the step's new requests, per group."""
         return {
             new.req_id: new.block_ids for new in scheduler_output.scheduled_new_reqs
         }
@@ -288,10 +305,10 @@ class KVGuardSchedulerSide:
         in (:meth:`on_step_output`)."""
         if self._checksums is None:
             return
-        self._producers.pop(request.request_id, None)
+        producer = self._producers.pop(request.request_id, None) is not None
         self._num_local_tokens.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
-        self._finished.append(_Finished(request, kv_transfer_params))
+        self._finished.append(_Finished(request, kv_transfer_params, producer))
 
     def verify_finished_loads(self, output: KVConnectorOutput) -> None:
         """Same-step verdicts (KVGuard's scheduler class, before vLLM reads
@@ -393,10 +410,10 @@ class KVGuardSchedulerSide:
         finished, self._finished = self._finished, []
         for item in finished:
             self._checksums.request_finished(item.request, item.kv_transfer_params)
+            self._outcomes |= item.producer
         # For connectors that send checksums in their own messages; NIXL's
         # go in kv_transfer_params, filled above.
         self._checksums.take_kv_checksums_to_send()
-        self._outcomes = True
 
     def take_stats(self) -> dict[str, Any] | None:
         """Outcome counts since the last call, or None if none changed."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from engine_patch.vllm.host import UnsupportedKVCacheError
 from engine_patch.vllm.scheduler import KVGuardAsyncScheduler, KVGuardScheduler
 
 pytestmark = pytest.mark.vllm
@@ -85,6 +87,18 @@ def test_the_scheduler_classes_subclass_vllms(cls: type[Scheduler]) -> None:
     output = scheduler.schedule()
     # The workers release finished loads at once.
     assert kvguard_metadata(output).hold_loads is False
+
+
+def test_a_null_block_other_than_block_0_is_refused_at_startup() -> None:
+    # Block ids are read as vLLM lists them for its workers, the null block
+    # (out of a sliding window) by its id: another id would be a KV block.
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_consumer"))
+    side = scheduler.connector._scheduler
+    manager = SimpleNamespace(
+        block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=7))
+    )
+    with pytest.raises(UnsupportedKVCacheError, match="null block is block 7"):
+        side.bind_kv_cache_manager(manager)
 
 
 def test_with_the_scheduler_class_a_corrupted_load_fails_in_the_step_reporting_it() -> (
