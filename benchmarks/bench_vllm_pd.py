@@ -31,13 +31,15 @@ each round's medians.
         [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
         [--out result.json]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
+    .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-breakdown
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
 KVGuard in process (tests/vllm/engine_steps.py) through producer and
 consumer requests of several sizes and prints the scheduler-side time per
 request from KVGuard's stats (``scheduler_seconds``), fitted as a fixed
 cost plus a cost per block, and the time an idle engine step spends in
-KVGuard's connector.
+KVGuard's connector. ``--scheduler-breakdown`` splits that time call by
+call, for 64-block requests.
 
 NIXL's progress threads spin (``docs/vllm.md``, "Cores and NIXL's progress
 thread"); the harness runs them at nice 19, where a decode waits 80-600 ms
@@ -456,6 +458,98 @@ def scheduler_cost(block_counts: list[int], requests: int, batches: int) -> None
     )
 
 
+# The scheduler-side calls --scheduler-breakdown times, by module and
+# class; nested ones are included in their callers' times.
+BREAKDOWN = {
+    "engine_patch.vllm.scheduler_side.KVGuardSchedulerSide": [
+        "_on_new_request",
+        "_on_alloc",
+        "_build_meta",
+        "_take_output",
+        "_flush",
+        "take_stats",
+    ],
+    "engine_patch.scheduler.KVChecksumScheduler": [
+        "add_send",
+        "add_recv",
+        "_blocks",
+        "update_from_output",
+        "_take_record",
+        "_verify",
+        "request_finished",
+    ],
+    "engine_patch.verify.KVChecksumComparer": ["compare", "payload"],
+    "engine_patch.verify.PendingChecksums": ["set_expected"],
+}
+
+
+def scheduler_breakdown(blocks: int, requests: int) -> None:
+    """Where KVGuard's scheduler-side time per request goes, call by call,
+    inside vLLM's scheduler: each call's total per request and per call
+    (nested calls included in their callers')."""
+    import importlib
+
+    import engine_steps as es
+
+    from engine_patch.vllm.scheduler import KVGuardScheduler
+
+    totals: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+                calls[name] = calls.get(name, 0) + 1
+
+        return call
+
+    originals = []
+    for path, names in BREAKDOWN.items():
+        module, class_name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), class_name)
+        for name in names:
+            originals.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, timed(f"{class_name}.{name}", cls.__dict__[name]))
+    block_size = 16
+    num_tokens = blocks * block_size - block_size // 2
+    try:
+        for role, flow in (("producer", es.produce), ("consumer", es.consume)):
+            config = es.vllm_config(
+                f"kv_{role}",
+                block_size=block_size,
+                max_model_len=max(num_tokens + block_size, 512),
+                num_blocks=blocks * 4 + 64,
+            )
+            scheduler = es.make_scheduler(KVGuardScheduler, config)
+            for i in range(10):
+                flow(scheduler, f"warm-{i}", num_tokens)
+            gc.collect()
+            gc.freeze()
+            totals.clear()
+            calls.clear()
+            seconds = sum(
+                flow(scheduler, f"r{i}", num_tokens).get("scheduler_seconds", 0.0)
+                for i in range(requests)
+            )
+            gc.unfreeze()
+            print(
+                f"{role}, {blocks} blocks: {seconds / requests * 1e6:.1f} us "
+                "per request (scheduler_seconds)"
+            )
+            for name, total in sorted(totals.items(), key=lambda item: -item[1]):
+                print(
+                    f"  {name:<40}{total / requests * 1e6:8.1f} us/request"
+                    f"{total / calls[name] * 1e6:8.1f} us/call"
+                )
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Decode TTFT spreads wide (p90 about 6x the median, plain NIXL too):
@@ -478,7 +572,15 @@ async def main() -> None:
         action="store_true",
         help="only the scheduler-side cost, in process (no servers)",
     )
+    parser.add_argument(
+        "--scheduler-breakdown",
+        action="store_true",
+        help="only where the scheduler-side time goes, call by call (no servers)",
+    )
     args = parser.parse_args()
+    if args.scheduler_breakdown:
+        scheduler_breakdown(blocks=64, requests=300)
+        return
     if args.scheduler_cost:
         scheduler_cost([4, 64, 512, 2048], requests=100, batches=5)
         return
