@@ -365,6 +365,35 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
 # ------------------------------------------------------------ scheduler cost
 
 
+def _warm_scheduler(
+    role: str, flow: Callable[..., dict[str, Any]], blocks: int
+) -> tuple[Any, int]:
+    """vLLM's real scheduler with KVGuard's class for ``role``'s requests of
+    ``blocks`` blocks (16 tokens each, the last half full), after ten
+    warm-up requests through ``flow``, with its heap frozen; and the tokens
+    per request. The caller unfreezes the heap when done."""
+    import engine_steps as es
+
+    from engine_patch.vllm.scheduler import KVGuardScheduler
+
+    block_size = 16
+    num_tokens = blocks * block_size - block_size // 2
+    config = es.vllm_config(
+        f"kv_{role}",
+        block_size=block_size,
+        max_model_len=max(num_tokens + block_size, 512),
+        num_blocks=blocks * 4 + 64,
+    )
+    scheduler = es.make_scheduler(KVGuardScheduler, config)
+    for i in range(10):
+        flow(scheduler, f"warm-{i}", num_tokens)
+    # As vLLM's engine does after startup: a long-lived heap is not walked
+    # by every collection.
+    gc.collect()
+    gc.freeze()
+    return scheduler, num_tokens
+
+
 def scheduler_cost(block_counts: list[int], requests: int, batches: int) -> None:
     """KVGuard's scheduler-side time per producer and consumer request (its
     stats' ``scheduler_seconds``), in vLLM's real scheduler, and its share
@@ -375,24 +404,10 @@ def scheduler_cost(block_counts: list[int], requests: int, batches: int) -> None
     from engine_patch.vllm import KVGuardConnector
     from engine_patch.vllm.scheduler import KVGuardScheduler
 
-    block_size = 16
     fits: dict[str, list[tuple[int, float]]] = {}
     for role, flow in (("producer", es.produce), ("consumer", es.consume)):
         for blocks in block_counts:
-            num_tokens = blocks * block_size - block_size // 2
-            config = es.vllm_config(
-                f"kv_{role}",
-                block_size=block_size,
-                max_model_len=max(num_tokens + block_size, 512),
-                num_blocks=blocks * 4 + 64,
-            )
-            scheduler = es.make_scheduler(KVGuardScheduler, config)
-            for i in range(10):
-                flow(scheduler, f"warm-{i}", num_tokens)
-            # As vLLM's engine does after startup: a long-lived heap is not
-            # walked by every collection.
-            gc.collect()
-            gc.freeze()
+            scheduler, num_tokens = _warm_scheduler(role, flow, blocks)
             per_batch = []
             for b in range(batches):
                 seconds = sum(
@@ -491,8 +506,6 @@ def scheduler_breakdown(blocks: int, requests: int) -> None:
 
     import engine_steps as es
 
-    from engine_patch.vllm.scheduler import KVGuardScheduler
-
     totals: dict[str, float] = {}
     calls: dict[str, int] = {}
 
@@ -514,21 +527,9 @@ def scheduler_breakdown(blocks: int, requests: int) -> None:
         for name in names:
             originals.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, timed(f"{class_name}.{name}", cls.__dict__[name]))
-    block_size = 16
-    num_tokens = blocks * block_size - block_size // 2
     try:
         for role, flow in (("producer", es.produce), ("consumer", es.consume)):
-            config = es.vllm_config(
-                f"kv_{role}",
-                block_size=block_size,
-                max_model_len=max(num_tokens + block_size, 512),
-                num_blocks=blocks * 4 + 64,
-            )
-            scheduler = es.make_scheduler(KVGuardScheduler, config)
-            for i in range(10):
-                flow(scheduler, f"warm-{i}", num_tokens)
-            gc.collect()
-            gc.freeze()
+            scheduler, num_tokens = _warm_scheduler(role, flow, blocks)
             totals.clear()
             calls.clear()
             seconds = sum(
