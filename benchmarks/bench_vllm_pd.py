@@ -31,15 +31,19 @@ each round's medians.
         [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
         [--out result.json]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
+        [--per-step 1,16]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-breakdown
+        [--per-step 1,16]
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
 KVGuard in process (tests/vllm/engine_steps.py) through producer and
 consumer requests of several sizes and prints the scheduler-side time per
 request from KVGuard's stats (``scheduler_seconds``), fitted as a fixed
-cost plus a cost per block, and the time an idle engine step spends in
-KVGuard's connector. ``--scheduler-breakdown`` splits that time call by
-call, for 64-block requests.
+cost plus a cost per block, with one request per engine step (the worst
+case) and with several going through the same steps (``--per-step``), and
+the time an idle engine step spends in KVGuard's connector.
+``--scheduler-breakdown`` splits that time call by call, for 64-block
+requests.
 
 NIXL's progress threads spin (``docs/vllm.md``, "Cores and NIXL's progress
 thread"); the harness runs them at nice 19, where a decode waits 80-600 ms
@@ -366,12 +370,13 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
 
 
 def _warm_scheduler(
-    role: str, flow: Callable[..., dict[str, Any]], blocks: int
+    role: str, flow: Callable[..., dict[str, Any]], blocks: int, per_step: int = 1
 ) -> tuple[Any, int]:
     """vLLM's real scheduler with KVGuard's class for ``role``'s requests of
-    ``blocks`` blocks (16 tokens each, the last half full), after ten
-    warm-up requests through ``flow``, with its heap frozen; and the tokens
-    per request. The caller unfreezes the heap when done."""
+    ``blocks`` blocks (16 tokens each, the last half full), ``per_step`` of
+    them in the same steps, after ten warm-up runs of ``flow``, with its heap
+    frozen; and the tokens per request. The caller unfreezes the heap when
+    done."""
     import engine_steps as es
 
     from engine_patch.vllm.scheduler import KVGuardScheduler
@@ -382,11 +387,12 @@ def _warm_scheduler(
         f"kv_{role}",
         block_size=block_size,
         max_model_len=max(num_tokens + block_size, 512),
-        num_blocks=blocks * 4 + 64,
+        num_blocks=blocks * 4 * per_step + 64,
+        prompts_per_step=per_step,
     )
     scheduler = es.make_scheduler(KVGuardScheduler, config)
     for i in range(10):
-        flow(scheduler, f"warm-{i}", num_tokens)
+        flow(scheduler, [f"warm-{i}-{j}" for j in range(per_step)], num_tokens)
     # As vLLM's engine does after startup: a long-lived heap is not walked
     # by every collection.
     gc.collect()
@@ -394,47 +400,77 @@ def _warm_scheduler(
     return scheduler, num_tokens
 
 
-def scheduler_cost(block_counts: list[int], requests: int, batches: int) -> None:
+def _check_all_done(role: str, counts: dict[str, Any], expected: int) -> None:
+    """Check that KVGuard sent (producer) or verified (consumer) the
+    checksums of every request of a run: the time measured is theirs.
+
+    Raises:
+        RuntimeError: If it did not.
+    """
+    outcome = "sent" if role == "producer" else "verified"
+    if counts.get(outcome, 0) != expected:
+        raise RuntimeError(f"{role}: {outcome} {counts.get(outcome, 0)} of {expected}")
+
+
+def scheduler_cost(
+    block_counts: list[int], per_steps: list[int], requests: int, batches: int
+) -> None:
     """KVGuard's scheduler-side time per producer and consumer request (its
-    stats' ``scheduler_seconds``), in vLLM's real scheduler, and its share
-    of an idle engine step."""
+    stats' ``scheduler_seconds``), in vLLM's real scheduler, with each of
+    ``per_steps`` requests going through the same steps, and its share of an
+    idle engine step.
+
+    One request per step is the worst case: every step's fixed work (the
+    workers' metadata, their output, the stats) falls on it alone. Under
+    load a step carries many requests' prefills, loads and finishes, and
+    that work is shared.
+    """
     import engine_steps as es
     from vllm.v1.outputs import KVConnectorOutput
 
     from engine_patch.vllm import KVGuardConnector
     from engine_patch.vllm.scheduler import KVGuardScheduler
 
-    fits: dict[str, list[tuple[int, float]]] = {}
-    for role, flow in (("producer", es.produce), ("consumer", es.consume)):
-        for blocks in block_counts:
-            scheduler, num_tokens = _warm_scheduler(role, flow, blocks)
-            per_batch = []
-            for b in range(batches):
-                seconds = sum(
-                    flow(scheduler, f"r{b}-{i}", num_tokens).get(
-                        "scheduler_seconds", 0.0
-                    )
-                    for i in range(requests)
+    for per_step in per_steps:
+        fits: dict[str, list[tuple[int, float]]] = {}
+        for role, flow in (
+            ("producer", es.produce_together),
+            ("consumer", es.consume_together),
+        ):
+            for blocks in block_counts:
+                scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
+                runs = max(1, requests // per_step)
+                per_batch = []
+                for b in range(batches):
+                    seconds = 0.0
+                    for i in range(runs):
+                        req_ids = [f"r{b}-{i}-{j}" for j in range(per_step)]
+                        counts = flow(scheduler, req_ids, num_tokens)
+                        _check_all_done(role, counts, per_step)
+                        seconds += counts.get("scheduler_seconds", 0.0)
+                    per_batch.append(seconds / (runs * per_step))
+                best, median = min(per_batch), statistics.median(per_batch)
+                fits.setdefault(role, []).append((blocks, best))
+                print(
+                    f"{role:<9} {blocks:>6} blocks, {per_step:>2} per step: "
+                    f"{best * 1e6:8.1f} us/request "
+                    f"(best of {batches} batches; median {median * 1e6:.1f})",
+                    flush=True,
                 )
-                per_batch.append(seconds / requests)
-            best, median = min(per_batch), statistics.median(per_batch)
-            fits.setdefault(role, []).append((blocks, best))
-            print(
-                f"{role:<9} {blocks:>6} blocks: {best * 1e6:8.1f} us/request "
-                f"(best of {batches} batches; median {median * 1e6:.1f})",
-                flush=True,
+                gc.unfreeze()
+        for role, points in fits.items():
+            xs = [float(b) for b, _ in points]
+            ys = [s for _, s in points]
+            mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+            slope = sum(
+                (x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)
             )
-            gc.unfreeze()
-    for role, points in fits.items():
-        xs = [float(b) for b, _ in points]
-        ys = [s for _, s in points]
-        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-        slope /= sum((x - mean_x) ** 2 for x in xs)
-        print(
-            f"{role}: {(mean_y - slope * mean_x) * 1e6:.1f} us + "
-            f"{slope * 1e9:.1f} ns per block (goal: <= 50 us + 20 ns per block)"
-        )
+            slope /= sum((x - mean_x) ** 2 for x in xs)
+            print(
+                f"{role}, {per_step} per step: "
+                f"{(mean_y - slope * mean_x) * 1e6:.1f} us + "
+                f"{slope * 1e9:.1f} ns per block (goal: <= 50 us + 20 ns per block)"
+            )
 
     def idle_calls(connector: Any, scheduler_output: Any) -> Callable[[], None]:
         def calls() -> None:
@@ -498,9 +534,10 @@ BREAKDOWN = {
 }
 
 
-def scheduler_breakdown(blocks: int, requests: int) -> None:
+def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> None:
     """Where KVGuard's scheduler-side time per request goes, call by call,
-    inside vLLM's scheduler: each call's total per request and per call
+    inside vLLM's scheduler, with each of ``per_steps`` requests going
+    through the same steps: each call's total per request and per call
     (nested calls included in their callers')."""
     import importlib
 
@@ -528,24 +565,33 @@ def scheduler_breakdown(blocks: int, requests: int) -> None:
             originals.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, timed(f"{class_name}.{name}", cls.__dict__[name]))
     try:
-        for role, flow in (("producer", es.produce), ("consumer", es.consume)):
-            scheduler, num_tokens = _warm_scheduler(role, flow, blocks)
-            totals.clear()
-            calls.clear()
-            seconds = sum(
-                flow(scheduler, f"r{i}", num_tokens).get("scheduler_seconds", 0.0)
-                for i in range(requests)
-            )
-            gc.unfreeze()
-            print(
-                f"{role}, {blocks} blocks: {seconds / requests * 1e6:.1f} us "
-                "per request (scheduler_seconds)"
-            )
-            for name, total in sorted(totals.items(), key=lambda item: -item[1]):
-                print(
-                    f"  {name:<40}{total / requests * 1e6:8.1f} us/request"
-                    f"{total / calls[name] * 1e6:8.1f} us/call"
+        for per_step in per_steps:
+            for role, flow in (
+                ("producer", es.produce_together),
+                ("consumer", es.consume_together),
+            ):
+                scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
+                totals.clear()
+                calls.clear()
+                runs = max(1, requests // per_step)
+                seconds = sum(
+                    flow(
+                        scheduler, [f"r{i}-{j}" for j in range(per_step)], num_tokens
+                    ).get("scheduler_seconds", 0.0)
+                    for i in range(runs)
                 )
+                gc.unfreeze()
+                num_requests = runs * per_step
+                print(
+                    f"{role}, {blocks} blocks, {per_step} per step: "
+                    f"{seconds / num_requests * 1e6:.1f} us per request "
+                    "(scheduler_seconds)"
+                )
+                for name, total in sorted(totals.items(), key=lambda item: -item[1]):
+                    print(
+                        f"  {name:<40}{total / num_requests * 1e6:8.1f} us/request"
+                        f"{total / calls[name] * 1e6:8.1f} us/call"
+                    )
     finally:
         for cls, name, original in originals:
             setattr(cls, name, original)
@@ -574,16 +620,23 @@ async def main() -> None:
         help="only the scheduler-side cost, in process (no servers)",
     )
     parser.add_argument(
+        "--per-step",
+        default="1,16",
+        help="--scheduler-cost and --scheduler-breakdown: requests going "
+        "through the same engine steps, comma-separated levels",
+    )
+    parser.add_argument(
         "--scheduler-breakdown",
         action="store_true",
         help="only where the scheduler-side time goes, call by call (no servers)",
     )
     args = parser.parse_args()
+    per_steps = [int(n) for n in args.per_step.split(",")]
     if args.scheduler_breakdown:
-        scheduler_breakdown(blocks=64, requests=300)
+        scheduler_breakdown(blocks=64, per_steps=per_steps, requests=320)
         return
     if args.scheduler_cost:
-        scheduler_cost([4, 64, 512, 2048], requests=100, batches=5)
+        scheduler_cost([4, 64, 512, 2048], per_steps, requests=100, batches=5)
         return
     ensure_model()
     summary = await run(args)

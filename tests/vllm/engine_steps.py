@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +72,12 @@ def vllm_config(
     block_size: int = BLOCK_SIZE,
     max_model_len: int = MAX_MODEL_LEN,
     num_blocks: int = NUM_BLOCKS,
+    max_num_seqs: int = 4,
+    prompts_per_step: int = 1,
 ) -> VllmConfig:
     """A CPU engine's config for the tiny model with KVGuard (fail-closed by
-    default) around NIXL; one step prefills a whole prompt."""
+    default) around NIXL; one step prefills ``prompts_per_step`` whole
+    prompts."""
     transfer: dict[str, Any] = {
         "kv_role": role,
         "kv_buffer_device": "cpu",
@@ -93,8 +97,8 @@ def vllm_config(
         ),
         cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=max_model_len,
+            max_num_seqs=max(max_num_seqs, prompts_per_step),
+            max_num_batched_tokens=max_model_len * prompts_per_step,
             max_model_len=max_model_len,
             is_encoder_decoder=False,
         ),
@@ -313,20 +317,33 @@ def produce(
     by the workers), ``idle_steps`` while NIXL holds its blocks, the step
     that reports them sent. KVGuard's counts summed over the steps;
     ``pickled`` as for :func:`step`."""
+    return produce_together(scheduler, [req_id], num_tokens, idle_steps, pickled)
+
+
+def produce_together(
+    scheduler: Scheduler,
+    req_ids: Sequence[str],
+    num_tokens: int,
+    idle_steps: int = 0,
+    pickled: bool = False,
+) -> dict[str, Any]:
+    """:func:`produce` for several requests whose steps are the same ones
+    (the scheduler's budget must fit their prompts in one step)."""
     block_size = scheduler.cache_config.block_size
-    scheduler.add_request(
-        request(
-            req_id,
-            num_tokens,
-            {"do_remote_decode": True},
-            max_tokens=1,
-            block_size=block_size,
+    for req_id in req_ids:
+        scheduler.add_request(
+            request(
+                req_id,
+                num_tokens,
+                {"do_remote_decode": True},
+                max_tokens=1,
+                block_size=block_size,
+            )
         )
-    )
-    checksums = {req_id: block_checksums(num_tokens, block_size=block_size)}
-    steps = [Workers(checksums=checksums)]
+    sums = block_checksums(num_tokens, block_size=block_size)
+    steps = [Workers(checksums=dict.fromkeys(req_ids, sums))]
     steps += [Workers() for _ in range(idle_steps)]
-    steps.append(Workers(finished_sending={req_id}))
+    steps.append(Workers(finished_sending=set(req_ids)))
     return _run(scheduler, steps, pickled)
 
 
@@ -340,12 +357,27 @@ def consume(
     """A consumer request's load and first token: the step that starts the
     load, the step whose workers finish (and checksum) it, the next step.
     KVGuard's counts summed over the steps; ``pickled`` as for :func:`step`."""
+    return consume_together(scheduler, [req_id], num_tokens, corrupt, pickled)
+
+
+def consume_together(
+    scheduler: Scheduler,
+    req_ids: Sequence[str],
+    num_tokens: int,
+    corrupt: bool = False,
+    pickled: bool = False,
+) -> dict[str, Any]:
+    """:func:`consume` for several requests whose loads start, finish and
+    decode in the same steps (``corrupt`` corrupts each one's)."""
     block_size = scheduler.cache_config.block_size
     sums = block_checksums(num_tokens, block_size=block_size)
     params = consumer_params(num_tokens, sums, block_size=block_size)
-    scheduler.add_request(
-        request(req_id, num_tokens, params, max_tokens=1, block_size=block_size)
-    )
+    for req_id in req_ids:
+        scheduler.add_request(
+            request(
+                req_id, num_tokens, dict(params), max_tokens=1, block_size=block_size
+            )
+        )
     loaded = sums.copy()
     if corrupt:
         loaded[0] ^= np.uint64(1)
@@ -353,7 +385,10 @@ def consume(
         scheduler,
         [
             Workers(),
-            Workers(finished_recving={req_id}, checksums={req_id: loaded}),
+            Workers(
+                finished_recving=set(req_ids),
+                checksums=dict.fromkeys(req_ids, loaded),
+            ),
             Workers(),
         ],
         pickled,

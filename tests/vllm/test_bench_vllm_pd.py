@@ -1,11 +1,14 @@
-"""benchmarks/bench_vllm_pd.py still starts: it imports the real-vLLM test
-helpers (``vllm_servers``, ``vllm_client``) and parses its options."""
+"""benchmarks/bench_vllm_pd.py still starts (it imports the real-vLLM test
+helpers, ``vllm_servers`` and ``vllm_client``, and parses its options), and
+its in-process scheduler measurements run."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 
@@ -35,8 +38,10 @@ def test_scheduler_breakdown_times_each_call_of_both_roles() -> None:
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert re.search(r"^producer, 64 blocks: [\d.]+ us per request", out, re.M)
-    assert re.search(r"^consumer, 64 blocks: [\d.]+ us per request", out, re.M)
+    for role in ("producer", "consumer"):
+        for per_step in (1, 16):
+            line = rf"^{role}, 64 blocks, {per_step} per step: [\d.]+ us per request"
+            assert re.search(line, out, re.M), (role, per_step)
     for call in (
         "KVGuardSchedulerSide._flush",
         "KVChecksumComparer.payload",
@@ -44,3 +49,39 @@ def test_scheduler_breakdown_times_each_call_of_both_roles() -> None:
         "KVChecksumComparer.compare",
     ):
         assert re.search(rf"^  {re.escape(call)} +[\d.]+ us/request", out, re.M), call
+
+
+def test_scheduler_cost_is_measured_with_requests_sharing_steps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = _load_bench()
+    bench.scheduler_cost([4, 8], [1, 3], requests=6, batches=2)
+    out = capsys.readouterr().out
+    for role in ("producer", "consumer"):
+        for per_step in (1, 3):
+            for blocks in (4, 8):
+                line = rf"^{role} +{blocks} blocks, +{per_step} per step: +[\d.]+ us"
+                assert re.search(line, out, re.M), (role, per_step, blocks)
+            fit = rf"^{role}, {per_step} per step: [\d.-]+ us \+ [\d.-]+ ns per block"
+            assert re.search(fit, out, re.M), (role, per_step)
+    assert re.search(r"^idle step: KVGuardConnector's calls", out, re.M)
+
+
+def test_scheduler_cost_refuses_a_run_whose_requests_were_not_all_checksummed() -> None:
+    bench = _load_bench()
+    bench._check_all_done("consumer", {"verified": 3}, 3)
+    with pytest.raises(RuntimeError, match="verified 2 of 3"):
+        bench._check_all_done("consumer", {"verified": 2}, 3)
+    with pytest.raises(RuntimeError, match="sent 0 of 1"):
+        bench._check_all_done("producer", {"verified": 1}, 1)
+
+
+def _load_bench() -> ModuleType:
+    """benchmarks/bench_vllm_pd.py as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_pd", REPO / "benchmarks/bench_vllm_pd.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
