@@ -187,6 +187,10 @@ class PendingChecksums:
 
     def skipped_groups(self) -> frozenset[int]:
         """Groups some worker cannot checksum."""
+        if len(self.reports) == 1:
+            # One worker (TP 1, PP 1): its own set, not a union of one.
+            (_, record), *_ = self.reports.values()
+            return frozenset(record.skipped_groups)
         return frozenset().union(*(r.skipped_groups for _, r in self.reports.values()))
 
     def fingerprint(self, group_id: int) -> int:
@@ -197,6 +201,10 @@ class PendingChecksums:
             Unverified: If the TP ranks of a stage disagree.
 
         """
+        if len(self.reports) == 1:
+            # One worker: its own fingerprint (a record's are below 2**64).
+            (_, record), *_ = self.reports.values()
+            return record.fingerprints.get(group_id, 0)
         stages: dict[int, int] = {}
         for (pp_rank, tp_rank), (_, record) in self.reports.items():
             fingerprint = record.fingerprints.get(group_id, 0)
@@ -316,8 +324,9 @@ class KVChecksumComparer:
         unverified: list[Unverified] = []
         skipped = pending.skipped_groups()
         num_compared = 0
-        for group_id in sorted(pending.gaps):
-            unverified.append(Unverified(UnverifiedReason.GAP, f"group {group_id}"))
+        if pending.gaps:
+            for group_id in sorted(pending.gaps):
+                unverified.append(Unverified(UnverifiedReason.GAP, f"group {group_id}"))
         for group_id in pending.blocks.groups:
             try:
                 if pending.offload_request is not None:
@@ -705,7 +714,8 @@ def common_chunks(
     hi = min(chunks[1], sent_chunks[1])
     if lo >= hi:
         return range(0)
-    if chunk_size is None:
+    if chunk_size is None or num_tokens == sent_num_tokens:
+        # Every chunk holds as many tokens on both sides (the usual load).
         return range(lo, hi)
     # Chunks below ``split`` are full on both sides; only the few after it
     # are counted one by one.

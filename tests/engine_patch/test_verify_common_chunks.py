@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine_patch.config import KVChecksumConfig
 from engine_patch.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from engine_patch.payload import KVChecksumPayload
-from engine_patch.types import KVChecksumBlocks, KVChecksumGroup, KVChecksumRecord
+from engine_patch.types import (
+    KVChecksumBlocks,
+    KVChecksumGroup,
+    KVChecksumRecord,
+    num_valid_tokens,
+)
 from engine_patch.verify import (
     Comparison,
     KVChecksumComparer,
@@ -33,6 +40,42 @@ def test_a_chunk_with_fewer_tokens_on_one_side_leaves_a_gap() -> None:
     chunks = common_chunks((0, 4), (0, 4), 16, 40, 44)
     assert isinstance(chunks, np.ndarray)
     assert chunks.tolist() == [0, 1, 3]
+
+
+@given(
+    first=st.integers(0, 6),
+    count=st.integers(0, 8),
+    sent_first=st.integers(0, 6),
+    sent_count=st.integers(0, 8),
+    chunk_size=st.sampled_from([1, 16, 48]),
+    num_tokens=st.integers(0, 700),
+    more_sent_tokens=st.sampled_from([0, 0, 1, 15, 16, 40]),
+)
+def test_common_chunks_are_those_in_both_ranges_with_as_many_tokens(
+    first: int,
+    count: int,
+    sent_first: int,
+    sent_count: int,
+    chunk_size: int,
+    num_tokens: int,
+    more_sent_tokens: int,
+) -> None:
+    sent_num_tokens = num_tokens + more_sent_tokens
+    expected = [
+        chunk
+        for chunk in range(max(first, sent_first), first + count)
+        if chunk < sent_first + sent_count
+        and num_valid_tokens(chunk, chunk_size, num_tokens)
+        == num_valid_tokens(chunk, chunk_size, sent_num_tokens)
+    ]
+    chunks = common_chunks(
+        (first, first + count),
+        (sent_first, sent_first + sent_count),
+        chunk_size,
+        num_tokens,
+        sent_num_tokens,
+    )
+    assert list(chunks) == expected
 
 
 def _compare(consumer: np.ndarray, producer: np.ndarray) -> Comparison:
