@@ -427,6 +427,24 @@ def apply(
 # Shipped, a list of skipped groups is a set: here of a group the load has
 # not, which verifies (found by CI's random seed).
 @example([(0, ("record", "skipped_groups"), [-1])], False, True)
+# An item of a uint64 array put where the replica keys were cannot be -1 or
+# text: the second change is not made (found by a random seed).
+@example(
+    [
+        (0, ("group", 0, "replica_keys"), np.ones((1, 0), dtype=np.uint64)),
+        (0, ("replica_key",), -1),
+    ],
+    False,
+    False,
+)
+@example(
+    [
+        (0, ("group", 0, "replica_keys"), np.ones((1, 0), dtype=np.uint64)),
+        (0, ("replica_key",), ""),
+    ],
+    False,
+    False,
+)
 def test_any_record_is_an_outcome_never_an_exception(
     changes: list[tuple[int, tuple[Any, ...], Any]], fail_closed: bool, ship: bool
 ) -> None:
@@ -439,7 +457,16 @@ def test_any_record_is_an_outcome_never_an_exception(
         # Later changes may land in what an earlier one replaced.
         try:
             swap = apply(records, index, where, value)
-        except (AttributeError, KeyError, IndexError, TypeError):
+        except (
+            AttributeError,
+            KeyError,
+            IndexError,
+            TypeError,
+            ValueError,
+            OverflowError,
+        ):
+            # Nothing there to change, or (a numpy array put in a list's
+            # place) an item it cannot hold.
             continue
         if swap is not None:
             first = changed.get((index, where), swap)[0]
