@@ -400,16 +400,43 @@ def _warm_scheduler(
     return scheduler, num_tokens
 
 
-def _check_all_done(role: str, counts: dict[str, Any], expected: int) -> None:
-    """Check that KVGuard sent (producer) or verified (consumer) the
-    checksums of every request of a run: the time measured is theirs.
+def _scheduler_flows() -> tuple[tuple[str, Callable[..., dict[str, Any]]], ...]:
+    """Each role and the engine_steps flow that takes its requests through
+    the scheduler together."""
+    import engine_steps as es
+
+    return (("producer", es.produce_together), ("consumer", es.consume_together))
+
+
+def _run_requests(
+    scheduler: Any,
+    role: str,
+    flow: Callable[..., dict[str, Any]],
+    num_tokens: int,
+    per_step: int,
+    runs: int,
+    prefix: str,
+) -> float:
+    """KVGuard's scheduler-side seconds (``scheduler_seconds``) over ``runs``
+    runs of ``flow``, each taking ``per_step`` new requests through the same
+    steps.
 
     Raises:
-        RuntimeError: If it did not.
+        RuntimeError: If KVGuard did not send (producer) or verify
+            (consumer) the checksums of every request of a run: the time
+            measured must be theirs.
     """
     outcome = "sent" if role == "producer" else "verified"
-    if counts.get(outcome, 0) != expected:
-        raise RuntimeError(f"{role}: {outcome} {counts.get(outcome, 0)} of {expected}")
+    seconds = 0.0
+    for i in range(runs):
+        req_ids = [f"{prefix}-{i}-{j}" for j in range(per_step)]
+        counts = flow(scheduler, req_ids, num_tokens)
+        if counts.get(outcome, 0) != per_step:
+            raise RuntimeError(
+                f"{role}: {outcome} {counts.get(outcome, 0)} of {per_step}"
+            )
+        seconds += counts.get("scheduler_seconds", 0.0)
+    return seconds
 
 
 def scheduler_cost(
@@ -433,22 +460,17 @@ def scheduler_cost(
 
     for per_step in per_steps:
         fits: dict[str, list[tuple[int, float]]] = {}
-        for role, flow in (
-            ("producer", es.produce_together),
-            ("consumer", es.consume_together),
-        ):
+        for role, flow in _scheduler_flows():
             for blocks in block_counts:
                 scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
                 runs = max(1, requests // per_step)
-                per_batch = []
-                for b in range(batches):
-                    seconds = 0.0
-                    for i in range(runs):
-                        req_ids = [f"r{b}-{i}-{j}" for j in range(per_step)]
-                        counts = flow(scheduler, req_ids, num_tokens)
-                        _check_all_done(role, counts, per_step)
-                        seconds += counts.get("scheduler_seconds", 0.0)
-                    per_batch.append(seconds / (runs * per_step))
+                per_batch = [
+                    _run_requests(
+                        scheduler, role, flow, num_tokens, per_step, runs, f"r{b}"
+                    )
+                    / (runs * per_step)
+                    for b in range(batches)
+                ]
                 best, median = min(per_batch), statistics.median(per_batch)
                 fits.setdefault(role, []).append((blocks, best))
                 print(
@@ -541,8 +563,6 @@ def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> Non
     (nested calls included in their callers')."""
     import importlib
 
-    import engine_steps as es
-
     totals: dict[str, float] = {}
     calls: dict[str, int] = {}
 
@@ -566,19 +586,13 @@ def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> Non
             setattr(cls, name, timed(f"{class_name}.{name}", cls.__dict__[name]))
     try:
         for per_step in per_steps:
-            for role, flow in (
-                ("producer", es.produce_together),
-                ("consumer", es.consume_together),
-            ):
+            for role, flow in _scheduler_flows():
                 scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
                 totals.clear()
                 calls.clear()
                 runs = max(1, requests // per_step)
-                seconds = sum(
-                    flow(
-                        scheduler, [f"r{i}-{j}" for j in range(per_step)], num_tokens
-                    ).get("scheduler_seconds", 0.0)
-                    for i in range(runs)
+                seconds = _run_requests(
+                    scheduler, role, flow, num_tokens, per_step, runs, "r"
                 )
                 gc.unfreeze()
                 num_requests = runs * per_step

@@ -324,9 +324,8 @@ class KVChecksumComparer:
         unverified: list[Unverified] = []
         skipped = pending.skipped_groups()
         num_compared = 0
-        if pending.gaps:
-            for group_id in sorted(pending.gaps):
-                unverified.append(Unverified(UnverifiedReason.GAP, f"group {group_id}"))
+        for group_id in sorted(pending.gaps):
+            unverified.append(Unverified(UnverifiedReason.GAP, f"group {group_id}"))
         for group_id in pending.blocks.groups:
             try:
                 if pending.offload_request is not None:

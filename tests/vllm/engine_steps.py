@@ -72,7 +72,6 @@ def vllm_config(
     block_size: int = BLOCK_SIZE,
     max_model_len: int = MAX_MODEL_LEN,
     num_blocks: int = NUM_BLOCKS,
-    max_num_seqs: int = 4,
     prompts_per_step: int = 1,
 ) -> VllmConfig:
     """A CPU engine's config for the tiny model with KVGuard (fail-closed by
@@ -97,7 +96,7 @@ def vllm_config(
         ),
         cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max(max_num_seqs, prompts_per_step),
+            max_num_seqs=max(4, prompts_per_step),
             max_num_batched_tokens=max_model_len * prompts_per_step,
             max_model_len=max_model_len,
             is_encoder_decoder=False,

@@ -8,7 +8,9 @@ import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -69,11 +71,20 @@ def test_scheduler_cost_is_measured_with_requests_sharing_steps(
 
 def test_scheduler_cost_refuses_a_run_whose_requests_were_not_all_checksummed() -> None:
     bench = _load_bench()
-    bench._check_all_done("consumer", {"verified": 3}, 3)
+
+    def flow_counting(counts: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+        return lambda scheduler, req_ids, num_tokens: counts
+
+    done = flow_counting({"verified": 3, "scheduler_seconds": 0.25})
+    assert bench._run_requests(None, "consumer", done, 8, 3, 2, "r") == 0.5
     with pytest.raises(RuntimeError, match="verified 2 of 3"):
-        bench._check_all_done("consumer", {"verified": 2}, 3)
+        bench._run_requests(
+            None, "consumer", flow_counting({"verified": 2}), 8, 3, 1, "r"
+        )
     with pytest.raises(RuntimeError, match="sent 0 of 1"):
-        bench._check_all_done("producer", {"verified": 1}, 1)
+        bench._run_requests(
+            None, "producer", flow_counting({"verified": 1}), 8, 1, 1, "r"
+        )
 
 
 def _load_bench() -> ModuleType:
