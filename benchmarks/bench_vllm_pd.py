@@ -370,14 +370,19 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
 
 
 def _warm_scheduler(
-    role: str, flow: Callable[..., dict[str, Any]], blocks: int, per_step: int = 1
+    role: str,
+    flow: Callable[..., dict[str, Any]],
+    blocks: int,
+    per_step: int = 1,
+    plain: bool = False,
 ) -> tuple[Any, int]:
-    """vLLM's real scheduler with KVGuard's class for ``role``'s requests of
-    ``blocks`` blocks (16 tokens each, the last half full), ``per_step`` of
-    them in the same steps, after ten warm-up runs of ``flow``, with its heap
-    frozen; and the tokens per request. The caller unfreezes the heap when
-    done."""
+    """vLLM's real scheduler with KVGuard's class (``plain``: vLLM's own
+    class around plain NIXL) for ``role``'s requests of ``blocks`` blocks
+    (16 tokens each, the last half full), ``per_step`` of them in the same
+    steps, after ten warm-up runs of ``flow``, with its heap frozen; and the
+    tokens per request. The caller unfreezes the heap when done."""
     import engine_steps as es
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     from engine_patch.vllm.scheduler import KVGuardScheduler
 
@@ -389,15 +394,40 @@ def _warm_scheduler(
         max_model_len=max(num_tokens + block_size, 512),
         num_blocks=blocks * 4 * per_step + 64,
         prompts_per_step=per_step,
+        **({"connector": "NixlConnector"} if plain else {}),
     )
-    scheduler = es.make_scheduler(KVGuardScheduler, config)
+    scheduler = es.make_scheduler(Scheduler if plain else KVGuardScheduler, config)
     for i in range(10):
-        flow(scheduler, [f"warm-{i}-{j}" for j in range(per_step)], num_tokens)
+        flow(
+            scheduler,
+            [f"warm-{i}-{j}" for j in range(per_step)],
+            num_tokens,
+            kvguard=not plain,
+        )
     # As vLLM's engine does after startup: a long-lived heap is not walked
     # by every collection.
     gc.collect()
     gc.freeze()
     return scheduler, num_tokens
+
+
+def _clock_engine_calls(scheduler: Any) -> list[float]:
+    """Time the scheduler's ``schedule`` and ``update_from_output`` calls (an
+    engine step's scheduler work) from now on: their seconds so far, in a
+    one-item list the caller may reset."""
+    seconds = [0.0]
+    for name in ("schedule", "update_from_output"):
+        method = getattr(scheduler, name)
+
+        def clocked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                seconds[0] += time.perf_counter() - start
+
+        setattr(scheduler, name, clocked)
+    return seconds
 
 
 def _scheduler_flows() -> tuple[tuple[str, Callable[..., dict[str, Any]]], ...]:
@@ -416,10 +446,11 @@ def _run_requests(
     per_step: int,
     runs: int,
     prefix: str,
+    kvguard: bool = True,
 ) -> float:
     """KVGuard's scheduler-side seconds (``scheduler_seconds``) over ``runs``
     runs of ``flow``, each taking ``per_step`` new requests through the same
-    steps.
+    steps; without ``kvguard`` (plain NIXL's scheduler), 0.0.
 
     Raises:
         RuntimeError: If KVGuard did not send (producer) or verify
@@ -430,8 +461,8 @@ def _run_requests(
     seconds = 0.0
     for i in range(runs):
         req_ids = [f"{prefix}-{i}-{j}" for j in range(per_step)]
-        counts = flow(scheduler, req_ids, num_tokens)
-        if counts.get(outcome, 0) != per_step:
+        counts = flow(scheduler, req_ids, num_tokens, kvguard=kvguard)
+        if kvguard and counts.get(outcome, 0) != per_step:
             raise RuntimeError(
                 f"{role}: {outcome} {counts.get(outcome, 0)} of {per_step}"
             )
@@ -451,6 +482,12 @@ def scheduler_cost(
     workers' metadata, their output, the stats) falls on it alone. Under
     load a step carries many requests' prefills, loads and finishes, and
     that work is shared.
+
+    The baseline, in the same batches: vLLM's own step calls (``schedule``
+    and ``update_from_output``) per request with KVGuard and with plain
+    NIXL. Their difference is all KVGuard adds to the scheduler, its
+    connector's delegation and the collections its objects bring included,
+    which ``scheduler_seconds`` (KVGuard's own calls) leaves out.
     """
     import engine_steps as es
     from vllm.v1.outputs import KVConnectorOutput
@@ -463,23 +500,45 @@ def scheduler_cost(
         for role, flow in _scheduler_flows():
             for blocks in block_counts:
                 scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
+                plain, _ = _warm_scheduler(role, flow, blocks, per_step, plain=True)
+                clocks = _clock_engine_calls(scheduler), _clock_engine_calls(plain)
                 runs = max(1, requests // per_step)
-                per_batch = [
+                num_requests = runs * per_step
+                # Per batch: KVGuard's scheduler_seconds, then vLLM's step
+                # calls with KVGuard and with plain NIXL, alternating.
+                per_batch: list[tuple[float, float, float]] = []
+                for b in range(batches):
+                    clocks[0][0] = clocks[1][0] = 0.0
                     _run_requests(
+                        plain, role, flow, num_tokens, per_step, runs, f"p{b}", False
+                    )
+                    kvguard = _run_requests(
                         scheduler, role, flow, num_tokens, per_step, runs, f"r{b}"
                     )
-                    / (runs * per_step)
-                    for b in range(batches)
-                ]
-                best, median = min(per_batch), statistics.median(per_batch)
+                    per_batch.append(
+                        (
+                            kvguard / num_requests,
+                            clocks[0][0] / num_requests,
+                            clocks[1][0] / num_requests,
+                        )
+                    )
+                gc.unfreeze()
+                best = min(own for own, _, _ in per_batch)
+                median = statistics.median(own for own, _, _ in per_batch)
+                with_kvguard = min(steps for _, steps, _ in per_batch)
+                without = min(plain for _, _, plain in per_batch)
+                ratio = statistics.median(
+                    steps / plain for _, steps, plain in per_batch
+                )
                 fits.setdefault(role, []).append((blocks, best))
                 print(
                     f"{role:<9} {blocks:>6} blocks, {per_step:>2} per step: "
                     f"{best * 1e6:8.1f} us/request "
-                    f"(best of {batches} batches; median {median * 1e6:.1f})",
+                    f"(best of {batches} batches; median {median * 1e6:.1f}); "
+                    f"vLLM's step calls {with_kvguard * 1e6:.1f} us/request, "
+                    f"{without * 1e6:.1f} with plain NIXL (x{ratio:.2f})",
                     flush=True,
                 )
-                gc.unfreeze()
         for role, points in fits.items():
             xs = [float(b) for b, _ in points]
             ys = [s for _, s in points]

@@ -325,9 +325,11 @@ def produce_together(
     num_tokens: int,
     idle_steps: int = 0,
     pickled: bool = False,
+    kvguard: bool = True,
 ) -> dict[str, Any]:
     """:func:`produce` for several requests whose steps are the same ones
-    (the scheduler's budget must fit their prompts in one step)."""
+    (the scheduler's budget must fit their prompts in one step); without
+    ``kvguard``, the workers are plain NIXL's (no checksums reported)."""
     block_size = scheduler.cache_config.block_size
     for req_id in req_ids:
         scheduler.add_request(
@@ -340,9 +342,9 @@ def produce_together(
             )
         )
     sums = block_checksums(num_tokens, block_size=block_size)
-    steps = [Workers(checksums=dict.fromkeys(req_ids, sums))]
-    steps += [Workers() for _ in range(idle_steps)]
-    steps.append(Workers(finished_sending=set(req_ids)))
+    steps = [Workers(checksums=dict.fromkeys(req_ids, sums), kvguard=kvguard)]
+    steps += [Workers(kvguard=kvguard) for _ in range(idle_steps)]
+    steps.append(Workers(finished_sending=set(req_ids), kvguard=kvguard))
     return _run(scheduler, steps, pickled)
 
 
@@ -365,9 +367,11 @@ def consume_together(
     num_tokens: int,
     corrupt: bool = False,
     pickled: bool = False,
+    kvguard: bool = True,
 ) -> dict[str, Any]:
     """:func:`consume` for several requests whose loads start, finish and
-    decode in the same steps (``corrupt`` corrupts each one's)."""
+    decode in the same steps (``corrupt`` corrupts each one's); without
+    ``kvguard``, the workers are plain NIXL's (no checksums reported)."""
     block_size = scheduler.cache_config.block_size
     sums = block_checksums(num_tokens, block_size=block_size)
     params = consumer_params(num_tokens, sums, block_size=block_size)
@@ -383,12 +387,13 @@ def consume_together(
     return _run(
         scheduler,
         [
-            Workers(),
+            Workers(kvguard=kvguard),
             Workers(
                 finished_recving=set(req_ids),
                 checksums=dict.fromkeys(req_ids, loaded),
+                kvguard=kvguard,
             ),
-            Workers(),
+            Workers(kvguard=kvguard),
         ],
         pickled,
     )

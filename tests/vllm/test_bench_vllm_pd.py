@@ -62,7 +62,11 @@ def test_scheduler_cost_is_measured_with_requests_sharing_steps(
     for role in ("producer", "consumer"):
         for per_step in (1, 3):
             for blocks in (4, 8):
-                line = rf"^{role} +{blocks} blocks, +{per_step} per step: +[\d.]+ us"
+                line = (
+                    rf"^{role} +{blocks} blocks, +{per_step} per step: +[\d.]+ us.*; "
+                    r"vLLM's step calls [\d.]+ us/request, [\d.]+ with plain NIXL "
+                    r"\(x[\d.]+\)$"
+                )
                 assert re.search(line, out, re.M), (role, per_step, blocks)
             fit = rf"^{role}, {per_step} per step: [\d.-]+ us \+ [\d.-]+ ns per block"
             assert re.search(fit, out, re.M), (role, per_step)
@@ -73,10 +77,13 @@ def test_scheduler_cost_refuses_a_run_whose_requests_were_not_all_checksummed() 
     bench = _load_bench()
 
     def flow_counting(counts: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-        return lambda scheduler, req_ids, num_tokens: counts
+        return lambda scheduler, req_ids, num_tokens, kvguard: counts
 
     done = flow_counting({"verified": 3, "scheduler_seconds": 0.25})
     assert bench._run_requests(None, "consumer", done, 8, 3, 2, "r") == 0.5
+    # Plain NIXL's scheduler checksums nothing: its runs are not checked.
+    plain = flow_counting({})
+    assert bench._run_requests(None, "consumer", plain, 8, 3, 1, "p", False) == 0.0
     with pytest.raises(RuntimeError, match="verified 2 of 3"):
         bench._run_requests(
             None, "consumer", flow_counting({"verified": 2}), 8, 3, 1, "r"
