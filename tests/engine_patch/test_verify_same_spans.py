@@ -4,6 +4,8 @@ comparison of bytes, with the verdict the general comparison gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -41,6 +43,7 @@ def _load(
     uniform: bool = False,
     sent_span: int = BLOCK_SIZE,
     second_worker: int | None = None,
+    replicas: int = 1,
 ) -> tuple[KVChecksumComparer, PendingChecksums]:
     """A TP 1 consumer's load of ``num_blocks`` blocks from position
     ``start``, and a producer's payload of ``sent_blocks`` spans of
@@ -48,7 +51,8 @@ def _load(
     position ``bad`` differs. Position ``p``'s value is ``100 + p``, or 100
     everywhere if ``uniform`` (blocks of the same KV). With
     ``second_worker``, the consumer has TP 2 and its second worker adds that
-    value at every position."""
+    value at every position. The consumer's first worker holds copy 0 of KV
+    heads that ``replicas`` ranks hold."""
     tp_size = 1 if second_worker is None else 2
     comparer = KVChecksumComparer(
         KVChecksumConfig(tp_size=tp_size), KVCacheConfig([KVCacheGroup(spec)])
@@ -68,7 +72,8 @@ def _load(
     )
     shares = [values] if second_worker is None else [values, values * 0 + second_worker]
     for tp_rank, share in enumerate(shares):
-        group = KVChecksumGroup(start, [(1, 0)], share[:, None].copy())
+        key = (replicas, 0) if tp_rank == 0 else (1, 0)
+        group = KVChecksumGroup(start, [key], share[:, None].copy())
         record = KVChecksumRecord(
             0, tp_rank, {"c": {0: group}}, fingerprints={0: FINGERPRINT}
         )
@@ -80,6 +85,50 @@ def _verdict(comparer: KVChecksumComparer, pending: PendingChecksums) -> tuple:
     mismatches, unverified, num_compared, uncompared = comparer.compare(pending)
     reasons = [(e.reason, e.detail) for e in unverified]
     return mismatches, reasons, num_compared, uncompared
+
+
+# The usual load, verified; each example changes it where one condition of
+# the shortcut fails (or a value differs), and must still get the general
+# comparison's verdict.
+USUAL: dict[str, Any] = {
+    "start": 0,
+    "num_blocks": 4,
+    "tokens_short": 8,
+    "first_token": 0,
+    "sent_shift": 0,
+    "sent_extra": 0,
+    "more_sent_tokens": 0,
+    "bad": None,
+    "uniform": False,
+    "window": False,
+    "sent_span": BLOCK_SIZE,
+    "second_worker": None,
+    "replicas": 1,
+}
+EXAMPLES: list[dict[str, Any]] = [
+    {},
+    {"bad": 3},
+    # The producer holds a token more: the last block is not compared.
+    {"more_sent_tokens": 1},
+    # The producer's blocks start a block later, with the same values.
+    {"sent_shift": 1, "sent_extra": 1, "uniform": True},
+    # Tokens past the consumer's blocks are not compared.
+    {"tokens_short": -8},
+    # The load starts before the consumer's first block.
+    {"start": 1, "uniform": True},
+    # A second consumer worker's share is not in the payload.
+    {"second_worker": 5},
+    # The producer's spans are twice as long, with the same values.
+    {"sent_span": 2 * BLOCK_SIZE, "uniform": True},
+    # The consumer's one worker holds one of two copies of its heads.
+    {"replicas": 2},
+]
+
+
+def _with_examples(test: Callable[..., None]) -> Callable[..., None]:
+    for changes in EXAMPLES:
+        test = example(**(USUAL | changes))(test)
+    return test
 
 
 @given(
@@ -96,119 +145,9 @@ def _verdict(comparer: KVChecksumComparer, pending: PendingChecksums) -> tuple:
     window=st.booleans(),
     sent_span=st.sampled_from([BLOCK_SIZE, BLOCK_SIZE, 2 * BLOCK_SIZE]),
     second_worker=st.none() | st.sampled_from([0, 5]),
+    replicas=st.sampled_from([1, 1, 1, 2]),
 )
-@example(  # the usual load: verified
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=False,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # one value corrupted
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=3,
-    uniform=False,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # the producer holds a token more: the last block is not compared
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=1,
-    bad=None,
-    uniform=False,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # the producer's blocks start a block later, with the same values
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=1,
-    sent_extra=1,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=True,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # tokens past the consumer's blocks are not compared
-    start=0,
-    num_blocks=4,
-    tokens_short=-8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=False,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # the load starts before the consumer's first block
-    start=1,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=True,
-    window=False,
-    sent_span=16,
-    second_worker=None,
-)
-@example(  # a second consumer worker's share is not in the payload
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=False,
-    window=False,
-    sent_span=16,
-    second_worker=5,
-)
-@example(  # the producer's spans are twice as long, with the same values
-    start=0,
-    num_blocks=4,
-    tokens_short=8,
-    first_token=0,
-    sent_shift=0,
-    sent_extra=0,
-    more_sent_tokens=0,
-    bad=None,
-    uniform=True,
-    window=False,
-    sent_span=32,
-    second_worker=None,
-)
+@_with_examples
 def test_the_usual_load_has_the_general_comparisons_verdict(
     start: int,
     num_blocks: int,
@@ -222,6 +161,7 @@ def test_the_usual_load_has_the_general_comparisons_verdict(
     window: bool,
     sent_span: int,
     second_worker: int | None,
+    replicas: int,
 ) -> None:
     end = start + num_blocks
     num_tokens = max(0, end * BLOCK_SIZE - tokens_short)
@@ -243,6 +183,7 @@ def test_the_usual_load_has_the_general_comparisons_verdict(
         "uniform": uniform,
         "sent_span": sent_span,
         "second_worker": second_worker,
+        "replicas": replicas,
     }
     shortcut = _verdict(*_load(spec, **load))
     with mock.patch.object(verify, "_same_spans_match", return_value=False):
