@@ -81,7 +81,9 @@ def _load(
     return comparer, pending
 
 
-def _verdict(comparer: KVChecksumComparer, pending: PendingChecksums) -> tuple:
+def _verdict(
+    comparer: KVChecksumComparer, pending: PendingChecksums
+) -> tuple[object, ...]:
     mismatches, unverified, num_compared, uncompared = comparer.compare(pending)
     reasons = [(e.reason, e.detail) for e in unverified]
     return mismatches, reasons, num_compared, uncompared
@@ -171,7 +173,7 @@ def test_the_usual_load_has_the_general_comparisons_verdict(
         else FullAttentionSpec(BLOCK_SIZE)
     )
     sent_start = max(0, start + sent_shift)
-    load = {
+    load: dict[str, Any] = {
         "start": start,
         "num_blocks": num_blocks,
         "num_tokens": num_tokens,
@@ -206,7 +208,7 @@ def test_the_usual_load_takes_the_shortcut() -> None:
     )
     results: list[bool] = []
 
-    def recorded(*args: object) -> bool:
+    def recorded(*args: Any) -> bool:
         results.append(shortcut(*args))
         return results[-1]
 
