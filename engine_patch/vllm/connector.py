@@ -271,25 +271,33 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        counts: dict[str, Any] = {}
+        inner = self._inner.get_kv_connector_stats()
         if self._scheduler is not None:
             # Called at the end of every update_from_output: the last point
             # at which a finished request's params can still be filled.
             self._scheduler.flush_finished()
-            counts.update(self._scheduler.take_stats() or {})
-        if self._worker is not None:
-            counts.update(self._worker.take_stats() or {})
-        inner = self._inner.get_kv_connector_stats()
-        if not counts and inner is None:
-            return None
-        stats = KVGuardConnectorStats()
-        stats.counts.update(counts)
+            # Every count, never all zero; None if no outcome changed.
+            counts = self._scheduler.take_stats()
+            if counts is None and inner is None:
+                return None
+            stats = KVGuardConnectorStats(
+                None if counts is None else {"kv_checksums": counts}
+            )
+            may_be_empty = counts is None
+        else:
+            assert self._worker is not None
+            taken = self._worker.take_stats()
+            if taken is None and inner is None:
+                return None
+            stats = KVGuardConnectorStats()
+            stats.counts.update(taken or {})
+            may_be_empty = True
         stats.set_inner(
             self._inner_ktc.kv_connector or "",
             self._inner_ktc.kv_connector_module_path,
             inner,
         )
-        return None if stats.is_empty() else stats
+        return None if may_be_empty and stats.is_empty() else stats
 
     def reset_cache(self) -> bool | None:
         return self._inner.reset_cache()
