@@ -526,10 +526,8 @@ def scheduler_cost(
                 best = min(own for own, _, _ in per_batch)
                 median = statistics.median(own for own, _, _ in per_batch)
                 with_kvguard = min(steps for _, steps, _ in per_batch)
-                without = min(plain for _, _, plain in per_batch)
-                ratio = statistics.median(
-                    steps / plain for _, steps, plain in per_batch
-                )
+                without = min(base for _, _, base in per_batch)
+                ratio = statistics.median(steps / base for _, steps, base in per_batch)
                 fits.setdefault(role, []).append((blocks, best))
                 print(
                     f"{role:<9} {blocks:>6} blocks, {per_step:>2} per step: "
