@@ -89,6 +89,49 @@ def _verdict(
     return mismatches, reasons, num_compared, uncompared
 
 
+def _case(
+    *,
+    start: int,
+    num_blocks: int,
+    tokens_short: int,
+    first_token: int,
+    sent_shift: int,
+    sent_extra: int,
+    more_sent_tokens: int,
+    bad: int | None,
+    uniform: bool,
+    window: bool,
+    sent_span: int,
+    second_worker: int | None,
+    replicas: int,
+) -> tuple[KVCacheSpec, dict[str, Any]]:
+    """The spec and :func:`_load`'s arguments of a load described relative
+    to its consumer's blocks (``USUAL``'s keys)."""
+    end = start + num_blocks
+    num_tokens = max(0, end * BLOCK_SIZE - tokens_short)
+    spec: KVCacheSpec = (
+        SlidingWindowSpec(BLOCK_SIZE, sliding_window=64)
+        if window
+        else FullAttentionSpec(BLOCK_SIZE)
+    )
+    sent_start = max(0, start + sent_shift)
+    load: dict[str, Any] = {
+        "start": start,
+        "num_blocks": num_blocks,
+        "num_tokens": num_tokens,
+        "first_token": min(first_token, num_tokens),
+        "sent_start": sent_start,
+        "sent_blocks": max(0, end - sent_start + sent_extra),
+        "sent_num_tokens": num_tokens + more_sent_tokens,
+        "bad": bad,
+        "uniform": uniform,
+        "sent_span": sent_span,
+        "second_worker": second_worker,
+        "replicas": replicas,
+    }
+    return spec, load
+
+
 # The usual load, verified; each example changes it where one condition of
 # the shortcut fails (or a value differs), and must still get the general
 # comparison's verdict.
@@ -150,43 +193,8 @@ def _with_examples(test: Callable[..., None]) -> Callable[..., None]:
     replicas=st.sampled_from([1, 1, 1, 2]),
 )
 @_with_examples
-def test_the_usual_load_has_the_general_comparisons_verdict(
-    start: int,
-    num_blocks: int,
-    tokens_short: int,
-    first_token: int,
-    sent_shift: int,
-    sent_extra: int,
-    more_sent_tokens: int,
-    bad: int | None,
-    uniform: bool,
-    window: bool,
-    sent_span: int,
-    second_worker: int | None,
-    replicas: int,
-) -> None:
-    end = start + num_blocks
-    num_tokens = max(0, end * BLOCK_SIZE - tokens_short)
-    spec: KVCacheSpec = (
-        SlidingWindowSpec(BLOCK_SIZE, sliding_window=64)
-        if window
-        else FullAttentionSpec(BLOCK_SIZE)
-    )
-    sent_start = max(0, start + sent_shift)
-    load: dict[str, Any] = {
-        "start": start,
-        "num_blocks": num_blocks,
-        "num_tokens": num_tokens,
-        "first_token": min(first_token, num_tokens),
-        "sent_start": sent_start,
-        "sent_blocks": max(0, end - sent_start + sent_extra),
-        "sent_num_tokens": num_tokens + more_sent_tokens,
-        "bad": bad,
-        "uniform": uniform,
-        "sent_span": sent_span,
-        "second_worker": second_worker,
-        "replicas": replicas,
-    }
+def test_the_usual_load_has_the_general_comparisons_verdict(**case: Any) -> None:
+    spec, load = _case(**case)
     shortcut = _verdict(*_load(spec, **load))
     with mock.patch.object(verify, "_same_spans_match", return_value=False):
         general = _verdict(*_load(spec, **load))
@@ -195,17 +203,8 @@ def test_the_usual_load_has_the_general_comparisons_verdict(
 
 def test_the_usual_load_takes_the_shortcut() -> None:
     # Else the property above compares the general comparison with itself.
-    load = _load(
-        FullAttentionSpec(BLOCK_SIZE),
-        start=0,
-        num_blocks=4,
-        num_tokens=56,
-        first_token=0,
-        sent_start=0,
-        sent_blocks=4,
-        sent_num_tokens=56,
-        bad=None,
-    )
+    spec, arguments = _case(**USUAL)
+    load = _load(spec, **arguments)
     results: list[bool] = []
 
     def recorded(*args: Any) -> bool:
