@@ -1,6 +1,7 @@
 """The real-vLLM harness's own behaviour: a start stalled in NIXL's agent
-creation is named as such and started again once; the benchmark's shares of
-the CPU for NIXL's pollers set each thread's policy and nice value."""
+creation, or whose log falls silent, is named as such and started again
+once; the benchmark's shares of the CPU for NIXL's pollers set each thread's
+policy and nice value."""
 
 from __future__ import annotations
 
@@ -19,18 +20,27 @@ pytestmark = pytest.mark.vllm
 class StallingServer(VllmServer):
     """A "server" that logs NIXL's agent creation and never gets further."""
 
+    last_line = f"INFO [base_worker.py:515] {NIXL_INIT_BEGIN}"
+
     def start(self, spec: EngineSpec, kv_transfer_config: object = None) -> None:
         self.spec = spec
         self.starts += 1
         self.log_path = self.log_path.with_name(f"{self.name}-{self.starts}.log")
-        self.log_path.write_text(f"INFO [base_worker.py:515] {NIXL_INIT_BEGIN}\n")
+        self.log_path.write_text(f"{self.last_line}\n")
         self._launched(subprocess.Popen(["sleep", "60"], process_group=0))
         self.started_s = vllm_servers.time.monotonic()
+
+
+class SilentServer(StallingServer):
+    """A "server" whose log falls silent before NIXL is reached."""
+
+    last_line = "INFO [core.py:97] Initializing a V1 LLM engine"
 
 
 @pytest.fixture
 def stall_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_servers, "NIXL_STALL_S", 0.5)
+    monkeypatch.setattr(vllm_servers, "START_SILENT_S", 1.5)
 
 
 @pytest.mark.usefixtures("stall_after")
@@ -66,6 +76,27 @@ async def test_a_stalled_start_is_started_again_once_and_then_fails(
     assert server.starts == 2
     assert "NIXL agent creation stalled" in server.restarted
     assert server.process is None
+
+
+@pytest.mark.usefixtures("stall_after")
+async def test_a_start_whose_log_falls_silent_is_named_and_started_again_once(
+    tmp_path: Path,
+) -> None:
+    server = SilentServer("silent", 0, tmp_path / "silent.log")
+    spec = EngineSpec("consumer")
+    async with aiohttp.ClientSession() as session:
+        servers = Servers(session)
+        server.start(spec)
+        try:
+            with pytest.raises(
+                StartStalled, match=r"log silent 2 s at start, after: .*V1 LLM engine"
+            ):
+                await servers._ready(server, spec)
+        finally:
+            server.stop()
+    assert server.starts == 2
+    assert "log silent" in server.restarted
+    assert server.longest_silence_s > 1.5
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a nice value needs root")

@@ -60,6 +60,12 @@ SCHEDULER_CLS = "engine_patch.vllm.scheduler.KVGuardScheduler"
 NIXL_INIT_BEGIN = "Initializing NIXL wrapper"
 NIXL_INIT_END = "Backend UCX was instantiated"
 NIXL_STALL_S = 90.0
+# Once a start's log was silent for minutes elsewhere (4 min 52 s, a
+# connector-only consumer's engine core between its start and its
+# connector's creation; its producer was up). A normal start's longest
+# silence is its imports, well under a minute; a start whose log is silent
+# longer than START_SILENT_S is restarted once, like a NIXL stall.
+START_SILENT_S = 150.0
 
 # (server, seconds from launch to /health) of every start, for the summary.
 STARTUPS: list[tuple[str, float]] = []
@@ -285,7 +291,8 @@ class EngineSpec:
 
 
 class StartStalled(RuntimeError):
-    """A server's start stalled where a fresh start does not (NIXL_STALL_S)."""
+    """A server's start stalled where a fresh start does not (NIXL_STALL_S,
+    START_SILENT_S)."""
 
 
 @dataclass
@@ -391,6 +398,12 @@ class VllmServer(Server):
     nixl_begun_s: float = 0.0
     # Why an earlier start of the same spec was abandoned, for the summary.
     restarted: str = ""
+    # This start's log: its size when last seen to grow, and when.
+    log_size: int = 0
+    log_grew_s: float = 0.0
+    # The longest the log was silent before this start was ready, for the
+    # summary (the margin START_SILENT_S leaves).
+    longest_silence_s: float = 0.0
 
     def start(
         self, spec: EngineSpec, kv_transfer_config: dict[str, Any] | None = None
@@ -461,16 +474,33 @@ class VllmServer(Server):
             self.nixl_begun_s = time.monotonic()
         return time.monotonic() - self.nixl_begun_s
 
+    def log_silent_s(self) -> float:
+        """Seconds since this start's log last grew (since the start while
+        it has not)."""
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            size = 0
+        now = time.monotonic()
+        if size != self.log_size:
+            self.log_size, self.log_grew_s = size, now
+        silent = now - self.log_grew_s
+        self.longest_silence_s = max(self.longest_silence_s, silent)
+        return silent
+
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
         """Wait for /health, then warm the engine up with a local request.
 
         Raises:
-            StartStalled: If NIXL's agent creation stalls (NIXL_STALL_S).
+            StartStalled: If NIXL's agent creation stalls (NIXL_STALL_S), or
+                the log stays silent (START_SILENT_S).
             RuntimeError: If the server exits or is not up in time.
         """
         assert self.process is not None
         deadline = self.started_s + STARTUP_TIMEOUT_S
         self.nixl_begun_s = 0.0
+        self.log_size, self.log_grew_s = 0, self.started_s
+        self.longest_silence_s = 0.0
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -489,6 +519,12 @@ class VllmServer(Server):
                 raise StartStalled(
                     f"{self.name}: NIXL agent creation stalled {NIXL_STALL_S:.0f} s"
                     f" ({thread_waits(self.process.pid)})"
+                )
+            if self.log_silent_s() > START_SILENT_S:
+                last = self.log_tail(1) or "(empty)"
+                raise StartStalled(
+                    f"{self.name}: its log silent {START_SILENT_S:.0f} s at start,"
+                    f" after: {last!r} ({thread_waits(self.process.pid)})"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
@@ -635,8 +671,12 @@ class Servers:
                 else ""
             )
             restarted = f" [restarted: {server.restarted}]" if server.restarted else ""
+            silence = f" [log silent at most {server.longest_silence_s:.0f} s]"
             STARTUPS.append(
-                (f"{server.name} ({spec.connector}){niced}{restarted}", server.ready_s)
+                (
+                    f"{server.name} ({spec.connector}){niced}{restarted}{silence}",
+                    server.ready_s,
+                )
             )
         for name, (prefill, decode) in proxies.items():
             await self._start_proxy(name, prefill, decode)
