@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -12,8 +13,8 @@ import aiohttp
 import pytest
 from proxy_helpers import expected_text
 
-from proxy.cli import build_parser, config_from_args
-from proxy.config import ConfigError
+from proxy.cli import GC_YOUNG_THRESHOLD, build_parser, config_from_args, serve
+from proxy.config import ConfigError, config_from_urls
 from tests.support.ports import free_port
 
 
@@ -154,3 +155,23 @@ async def test_sighup_reloads_the_file_and_keeps_serving(stubs, tmp_path):
         assert (await complete(url))[0] == 200
         assert (await complete(url))[0] == 200
     assert len(p1.requests) == before and len(p2.requests) >= 2
+
+
+async def test_serving_freezes_the_startup_heap_and_collects_young_objects_less_often():
+    saved = gc.get_threshold()
+    config = config_from_urls(
+        ["http://127.0.0.1:9"], ["http://127.0.0.1:9"], server={"port": 0}
+    )
+    ready, stop = asyncio.Event(), asyncio.Event()
+    serving = asyncio.create_task(
+        serve(config, on_ready=lambda _: ready.set(), stop=stop)
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *saved[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        stop.set()
+        await serving
+        gc.unfreeze()
+        gc.set_threshold(*saved)
