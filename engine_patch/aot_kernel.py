@@ -200,6 +200,8 @@ def _prepare(
             except Exception as e:  # A damaged or foreign file: built again.
                 logger.warning("Cannot load %s (%s); building it again.", path, e)
         if kernel is None:
+            # A build takes seconds, minutes on a loaded machine: say so first.
+            logger.info("Building KVGuard's fused checksum kernel into %s.", path)
             _build(key, path)
             kernel = HostKernel(key, _load(path))
             checksum_kernel.count_compile(time.perf_counter() - start)
@@ -212,7 +214,11 @@ def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``path``'s lock file, across processes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("Waiting for another process's build of %s.", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -160,7 +160,8 @@ class KVGuardWorker:
     def _warm_up(checksums: KVChecksumWorker) -> None:
         """Build or load the fused kernel now, while vLLM starts, rather than
         in the first step that checksums (about 10 s per row shape to build on
-        a CPU, under a second to load one built before): into
+        an idle CPU, minutes on a loaded one; under a second to load one built
+        before): into
         ``$VLLM_CACHE_ROOT/kvguard`` unless ``KVGUARD_CHECKSUM_CACHE_DIR``
         names another folder."""
         import vllm.envs

@@ -8,9 +8,13 @@ well under a second; set KVGUARD_SKIP_COMPILE_TESTS=1 to skip these tests.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,12 +205,17 @@ def fresh_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[
 
 
 def test_a_later_process_loads_the_package_instead_of_compiling(
-    monkeypatch: pytest.MonkeyPatch, fresh_packages: Path
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_packages: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     layers = tiny_llama_layers()
     first = KVChecksumWorker(layers, compile=True)
     compiles, loads = checksum_kernel.compiles(), aot_kernel.loads()
-    first.warm_up()
+    with caplog.at_level(logging.INFO, logger="kvguard.engine_patch.aot_kernel"):
+        first.warm_up()
+    # A build is logged before it starts: it can take minutes.
+    assert "Building KVGuard's fused checksum kernel into" in caplog.text
     assert checksum_kernel.compiles() == compiles + 1
     assert aot_kernel.loads() == loads
     assert len(list(fresh_packages.glob("kvguard_aot/*.pt2"))) == 1
@@ -292,6 +301,30 @@ def test_workers_starting_together_build_a_package_once(tmp_path: Path) -> None:
         results.append((compiles, loads))
     # One built it, the other waited and loaded it.
     assert sorted(results) == [(0, 1), (1, 0)]
+
+
+def test_a_process_waiting_for_anothers_build_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    package = tmp_path / "kernel.pt2"
+    entered = threading.Event()
+
+    def wait_for_the_lock() -> None:
+        with aot_kernel._locked(package):
+            entered.set()
+
+    with caplog.at_level(logging.INFO, logger="kvguard.engine_patch.aot_kernel"):
+        with open(package.with_suffix(".lock"), "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            waiter = threading.Thread(target=wait_for_the_lock)
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while "Waiting for another process's build" not in caplog.text:
+                assert time.monotonic() < deadline, "no wait was logged"
+                time.sleep(0.01)
+            assert not entered.is_set()
+        waiter.join(30)
+    assert entered.is_set()
 
 
 def test_a_kernel_that_fails_in_a_pass_is_not_run_again(

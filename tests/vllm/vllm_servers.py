@@ -63,8 +63,10 @@ NIXL_STALL_S = 90.0
 # Once a start's log was silent for minutes elsewhere (4 min 52 s, a
 # connector-only consumer's engine core between its start and its
 # connector's creation; its producer was up). A normal start's longest
-# silence is its imports, well under a minute; a start whose log is silent
-# longer than START_SILENT_S is restarted once, like a NIXL stall.
+# silence is under a minute: its imports, or a worker busy for minutes
+# (building the fused checksum kernel, 158 s in CI) while vLLM's engine core
+# logs each minute it waits. A start whose log is silent longer than
+# START_SILENT_S is restarted once, like a NIXL stall.
 START_SILENT_S = 150.0
 
 # (server, seconds from launch to /health) of every start, for the summary.
