@@ -64,7 +64,7 @@ NIXL_STALL_S = 90.0
 # connector-only consumer's engine core between its start and its
 # connector's creation; its producer was up). A normal start's longest
 # silence is under a minute: its imports, or a worker busy for minutes
-# (building the fused checksum kernel, 158 s in CI) while vLLM's engine core
+# (building the fused checksum kernel, 129 s in CI) while vLLM's engine core
 # logs each minute it waits. A start whose log is silent longer than
 # START_SILENT_S is restarted once, like a NIXL stall.
 START_SILENT_S = 150.0
