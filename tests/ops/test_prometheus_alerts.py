@@ -173,7 +173,9 @@ async def test_integrity_alert_fires_in_a_real_prometheus(capsys):
                         for i in range(12)
                     )
                 )
-                assert all(status == 200 and text for status, text in answers)
+                assert all(
+                    status == 200 and text is not None for status, text in answers
+                )
 
                 firing: list[dict[str, Any]] = []
 
