@@ -21,7 +21,11 @@ _PAYLOAD_VERSION = 1
 _UINT64_LE = np.dtype("<u8")
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-_MsgType = tuple[int, int, int, list[tuple[int, int, int, int, memoryview]]]
+# Checksums decode to bytes (a copy, which the cyclic collector does not
+# track), not to memoryviews of the payload: those are two tracked objects
+# per group for as long as the load is pending, and each such object brings
+# the scheduler's next collection nearer (docs/vllm.md).
+_MsgType = tuple[int, int, int, list[tuple[int, int, int, int, bytes]]]
 # Made once: ``msgspec.msgpack.decode(data, type=...)`` translates the type
 # on every call, several times the cost of the decode itself.
 _DECODER = msgspec.msgpack.Decoder(_MsgType)
@@ -61,7 +65,7 @@ class KVChecksumPayload:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KVChecksumPayload:
-        """Decode a payload; its checksums are views of ``data``.
+        """Decode a payload; its checksums are read-only arrays.
 
         Raises:
             ValueError: If ``data`` is not a payload of this version.

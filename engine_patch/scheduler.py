@@ -72,6 +72,10 @@ __all__ = ["KV_CHECKSUM_FAILURE_TEXT", "KVChecksumScheduler", "UnverifiedReason"
 
 logger = get_logger(__name__)
 
+# No group left out for a gap: one shared set, not a new one (tracked by the
+# cyclic collector) kept by every pending load.
+_NO_GAPS: frozenset[int] = frozenset()
+
 
 class KVChecksumScheduler:
     """Schedules KV checksums and verifies loaded KV against the producer's.
@@ -448,7 +452,9 @@ class KVChecksumScheduler:
                 start += max(0, len(block_ids) - keep)
                 block_ids = block_ids[-keep:]
             groups[group_id] = (start, block_ids)
-        return KVChecksumBlocks(num_tokens=end_token, groups=groups), frozenset(gaps)
+        return KVChecksumBlocks(num_tokens=end_token, groups=groups), (
+            frozenset(gaps) if gaps else _NO_GAPS
+        )
 
     def _payload(
         self, req_id: str, pending: PendingChecksums

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from kv_host_fakes import (
     FakeBlocks,
@@ -20,6 +22,7 @@ from scheduler_harness import (
     make_scheduler,
 )
 
+from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
 from engine_patch.scheduler import KVChecksumScheduler
 
 
@@ -89,3 +92,32 @@ def test_a_step_with_nothing_scheduled_or_reported_costs_the_same_whatever_is_pe
     idle_step(many)()
     assert count_ops(idle_step(many)) == count_ops(idle_step(one))
     assert count_ops(idle_step(one)) <= 40
+
+
+def test_a_pending_load_keeps_few_objects_for_the_cyclic_collector() -> None:
+    # Each object a pending load keeps, and the collector tracks, brings the
+    # scheduler's next collection nearer; a collection walks the engine's
+    # young objects (long prompts' token lists). A shared set stands for "no
+    # gaps" and the producer's checksums are arrays over bytes, not
+    # memoryviews of the payload.
+    scheduler = make_scheduler(kv_config(full()))
+    payload = KVChecksumPayload(1, 32, {0: (0, 16, 0, np.arange(2, dtype=np.uint64))})
+    params = {KV_TRANSFER_PARAMS_KEY: payload.to_base64()}
+    loads = [consumer_request(req_id, 32, params) for req_id in ("a", "b")]
+    for i, recv in enumerate(loads):
+        scheduler.on_new_request(recv)
+        recv.num_computed_tokens = 32
+        blocks = FakeBlocks.of([2 * i + 1, 2 * i + 2])
+        # The second load of the step: the scheduler's dicts are there.
+        gc.collect()
+        gc.disable()
+        try:
+            scheduler.add_recv(recv, blocks, 0)
+            kept = gc.get_objects(0)
+        finally:
+            gc.enable()
+    assert scheduler.build_checksum_meta() is not None
+    assert not [o for o in kept if isinstance(o, (memoryview, frozenset))]
+    # PendingChecksums; its blocks, their group's (start, ids) and the ids;
+    # the payload, its group's checksums (an untracked array).
+    assert len(kept) <= 8, "\n".join(repr(o)[:70] for o in kept)
