@@ -4,6 +4,7 @@ its in-process scheduler measurements run."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import re
 import subprocess
@@ -54,18 +55,34 @@ def test_scheduler_breakdown_times_each_call_of_both_roles() -> None:
 
 
 def test_scheduler_cost_is_measured_with_requests_sharing_steps(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bench = _load_bench()
+    # Whether the cyclic collector ran, per batch of KVGuard's requests.
+    collecting: list[bool] = []
+    run_requests = bench._run_requests
+
+    def run_noting_the_collector(*args: Any) -> float:
+        if len(args) < 8:  # KVGuard's, not plain NIXL's
+            collecting.append(gc.isenabled())
+        return run_requests(*args)
+
+    monkeypatch.setattr(bench, "_run_requests", run_noting_the_collector)
     bench.scheduler_cost([4, 8], [1, 3], requests=6, batches=2)
+    assert gc.isenabled()
+    # Each batch with collections, then without: 2 per-step levels x 2
+    # roles x 2 block counts x 2 batches.
+    assert collecting == [True, False] * 16
     out = capsys.readouterr().out
     for role in ("producer", "consumer"):
         for per_step in (1, 3):
             for blocks in (4, 8):
                 line = (
-                    rf"^{role} +{blocks} blocks, +{per_step} per step: +[\d.]+ us.*; "
+                    rf"^{role} +{blocks} blocks, +{per_step} per step: +[\d.]+ "
+                    r"us/request without collections \(best of 2 batches; median "
+                    r"[\d.]+\), median [\d.]+ with; "
                     r"vLLM's step calls [\d.]+ us/request, [\d.]+ with plain NIXL "
-                    r"\(x[\d.]+\)$"
+                    r"\(x[\d.]+ without collections, x[\d.]+ with\)$"
                 )
                 assert re.search(line, out, re.M), (role, per_step, blocks)
             fit = rf"^{role}, {per_step} per step: [\d.-]+ us \+ [\d.-]+ ns per block"
