@@ -90,6 +90,8 @@ from vllm_servers import (  # noqa: E402
 DECODE_TOKENS = 16
 PHASES = ("off", "on", "on+scheduler")
 KEYS = ("prefill_s", "decode_ttft_s", "decode_s")
+# KVGuard's own times in a phase's summary (``per_request``).
+OWN_KEY = re.compile(r"(producer|consumer)_")
 
 
 def phase_specs(phase: str) -> tuple[EngineSpec, EngineSpec]:
@@ -329,6 +331,47 @@ def summarize(
         summary[phase] = entry
     summary["startup_s"] = [[name, round(seconds, 1)] for name, seconds in STARTUPS]
     return summary
+
+
+def combine(paths: list[Path]) -> tuple[dict[str, Any], list[str]]:
+    """Several runs' ``--out`` summaries as one run of all their rounds, and
+    its phases: one run's round medians move by several percent, so runs
+    of the same code are pooled before a ratio is read against a goal.
+    KVGuard's own times are the median of the runs' medians.
+
+    Raises:
+        ValueError: If the runs measured different phases.
+    """
+    runs = [json.loads(path.read_text()) for path in paths]
+    phases = [phase for phase in PHASES if phase in runs[0]]
+    for path, summary in zip(paths, runs, strict=True):
+        if [phase for phase in PHASES if phase in summary] != phases:
+            raise ValueError(f"{path} measured other phases than {paths[0]}")
+    samples = {
+        phase: [
+            [{k: s[k] / 1e3 for k in KEYS} for s in samples_of_round]
+            for summary in runs
+            for samples_of_round in summary[phase]["samples_ms"]
+        ]
+        for phase in phases
+    }
+    own = {
+        phase: [
+            {k: v for k, v in summary[phase].items() if OWN_KEY.match(k)}
+            for summary in runs
+        ]
+        for phase in phases
+    }
+    steps = {
+        phase: [
+            int(n)
+            for summary in runs
+            for n, count in summary[phase]["steps_load_to_first_token"].items()
+            for _ in range(count)
+        ]
+        for phase in phases
+    }
+    return summarize(phases, samples, own, steps), phases
 
 
 def print_table(summary: dict[str, Any], phases: list[str]) -> None:
@@ -750,12 +793,27 @@ async def main() -> None:
         "through the same engine steps, comma-separated levels",
     )
     parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="OUT",
+        help="only print the table of several runs' --out files, their rounds "
+        "pooled (no servers)",
+    )
+    parser.add_argument(
         "--scheduler-breakdown",
         action="store_true",
         help="only where the scheduler-side time goes, call by call (no servers)",
     )
     args = parser.parse_args()
     per_steps = [int(n) for n in args.per_step.split(",")]
+    if args.combine:
+        summary, phases = combine(args.combine)
+        print_table(summary, phases)
+        print(
+            f"{len(args.combine)} runs, {len(summary[phases[0]]['samples_ms'])} rounds"
+        )
+        return
     if args.scheduler_breakdown:
         scheduler_breakdown(blocks=64, per_steps=per_steps, requests=320)
         return

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +27,7 @@ def test_bench_vllm_pd_starts() -> None:
     usage = script_help("benchmarks/bench_vllm_pd.py")
     assert "--scheduler-cost" in usage
     assert "--pollers" in usage
+    assert "--combine" in usage
 
 
 def test_scheduler_breakdown_times_each_call_of_both_roles() -> None:
@@ -109,6 +112,56 @@ def test_scheduler_cost_refuses_a_run_whose_requests_were_not_all_checksummed() 
         bench._run_requests(
             None, "producer", flow_counting({"verified": 1}), 8, 1, 1, "r"
         )
+
+
+def test_combine_pools_the_rounds_of_several_runs(tmp_path: Path) -> None:
+    bench = _load_bench()
+
+    def run(ratio: float, rounds: int, steps: int) -> Path:
+        """A run whose on+scheduler takes ``ratio`` times off's time."""
+        samples = {
+            phase: [
+                [
+                    {
+                        k: (i + 1) * 0.01 * (ratio if phase != "off" else 1.0)
+                        for k in bench.KEYS
+                    }
+                    for i in range(4)
+                ]
+                for _ in range(rounds)
+            ]
+            for phase in ("off", "on+scheduler")
+        }
+        own = {
+            "off": [{}],
+            "on+scheduler": [{"producer_checksum_ms": ratio, "other": 9.0}],
+        }
+        load_steps = {"off": [1] * steps, "on+scheduler": [1] * steps}
+        path = tmp_path / f"run-{ratio}.json"
+        path.write_text(
+            json.dumps(bench.summarize(list(samples), samples, own, load_steps))
+        )
+        return path
+
+    paths = [run(1.0, 2, 3), run(1.5, 1, 2), run(2.0, 2, 1)]
+    summary, phases = bench.combine(paths)
+    assert phases == ["off", "on+scheduler"]
+    entry = summary["on+scheduler"]
+    assert len(entry["samples_ms"]) == 5
+    # Round ratios 1.0, 1.0, 1.5, 2.0, 2.0; per prompt the same, four each.
+    assert entry["prefill_s_median_ratio"] == pytest.approx(1.5)
+    assert entry["prefill_s_median_ratio_spread"] == pytest.approx([1.0, 2.0])
+    assert entry["decode_ttft_s_paired_ratio"] == pytest.approx(1.5)
+    assert entry["steps_load_to_first_token"] == {1: 6}
+    assert entry["producer_checksum_ms"] == pytest.approx(1.5)
+    assert "other" not in entry
+
+    only_off = tmp_path / "only-off.json"
+    summary = json.loads(paths[0].read_text())
+    del summary["on+scheduler"]
+    only_off.write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="other phases"):
+        bench.combine([paths[0], only_off])
 
 
 def _load_bench() -> ModuleType:
