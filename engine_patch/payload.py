@@ -80,6 +80,9 @@ class KVChecksumPayload:
             for group_id, fingerprint, block_size, start, _ in groups:
                 if block_size < 1 or start < 0 or not 0 <= fingerprint < 2**64:
                     raise ValueError(f"bad group {group_id}")
+            if len({group[0] for group in groups}) != len(groups):
+                # Which of a group's entries is the producer's is unknowable.
+                raise ValueError("a group twice")
             return cls(
                 tp_size,
                 num_tokens,
@@ -126,5 +129,6 @@ def decode_base64(encoded: object) -> bytes:
         return b""
     try:
         return msgspec.convert(encoded, bytes)
-    except msgspec.ValidationError:
+    # UnicodeError: text with a lone surrogate (JSON's "\ud800") has no UTF-8.
+    except (msgspec.ValidationError, UnicodeError):
         return b""

@@ -162,6 +162,21 @@ def test_a_field_of_the_wrong_type_raises_value_error(
         )
 
 
+@FUZZ
+@given(valid_payloads.filter(lambda p: p.groups), st.data())
+def test_a_payload_naming_a_group_twice_raises_value_error(
+    payload: KVChecksumPayload, data: st.DataObject
+) -> None:
+    version, tp_size, num_tokens, groups = msgspec.msgpack.decode(payload.to_bytes())
+    twice = data.draw(st.sampled_from(groups))
+    at = data.draw(st.integers(0, len(groups)))
+    groups = [*groups[:at], twice, *groups[at:]]
+    with pytest.raises(ValueError, match="a group twice"):
+        KVChecksumPayload.from_bytes(
+            msgspec.msgpack.encode([version, tp_size, num_tokens, groups])
+        )
+
+
 # --- The scheduler never raises on a payload ----------------------------------
 
 CONFIG = KVCacheConfig(
@@ -236,7 +251,9 @@ def test_base64_text_decodes_only_if_padded_base64(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["AAAA====", "QQ==\n", " QQ==", "QQ", "QQ-_", "QUE=QUE="]
+    "text",
+    # "\ud800": what JSON's escape of a lone surrogate decodes to; no UTF-8.
+    ["AAAA====", "QQ==\n", " QQ==", "QQ", "QQ-_", "QUE=QUE=", "QUFB\ud800"],
 )
 def test_non_canonical_base64_is_not_a_payload(text: str) -> None:
     assert decode_base64(text) == b""
@@ -254,7 +271,12 @@ def test_garbage_payload_bytes_leave_the_load_unverified(
 
 
 @FUZZ
-@given(msgpack_values | st.text(max_size=20), st.integers(1, 200))
+@given(
+    msgpack_values
+    | st.text(max_size=20)
+    | st.text(st.characters(categories=["Cs"]) | st.sampled_from("QUFB="), max_size=8),
+    st.integers(1, 200),
+)
 def test_any_params_value_is_an_outcome_never_an_exception(
     value: Any, num_tokens: int
 ) -> None:
