@@ -29,10 +29,20 @@ def _all_str(keys: dict[Any, Any]) -> bool:
 
 def record_problem(record: object, *, tp_size: int, pp_size: int) -> str | None:
     """Why a record as a whole is malformed, or None: its worker's ranks are
-    out of range, or a field has the wrong type. (The checksums of each
-    request are checked by :func:`checksums_problem`.)"""
+    out of range, or a field has the wrong type or is missing (unpickled from
+    another build). (The checksums of each request are checked by
+    :func:`checksums_problem`.)"""
     if type(record) is not KVChecksumRecord:
         return f"not a checksum record: {type(record).__name__}"
+    try:
+        return _record_fields_problem(record, tp_size, pp_size)
+    except AttributeError as e:
+        return f"no field {e.name!r}"
+
+
+def _record_fields_problem(
+    record: KVChecksumRecord, tp_size: int, pp_size: int
+) -> str | None:
     pp_rank, tp_rank = record.pp_rank, record.tp_rank
     if not (_is_int(pp_rank) and _is_int(tp_rank)):
         return f"ranks {pp_rank!r}, {tp_rank!r} are not integers"
@@ -92,6 +102,13 @@ def checksums_problem(groups: object, *, tp_size: int) -> str | None:
 def _group_problem(group: object, tp_size: int) -> str | None:
     if type(group) is not KVChecksumGroup:
         return f"not checksums of a group: {type(group).__name__}"
+    try:
+        return _group_fields_problem(group, tp_size)
+    except AttributeError as e:
+        return f"no field {e.name!r}"
+
+
+def _group_fields_problem(group: KVChecksumGroup, tp_size: int) -> str | None:
     if not _is_int(group.start) or group.start < 0:
         return f"start {group.start!r}"
     keys: Any = group.replica_keys
