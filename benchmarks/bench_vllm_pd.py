@@ -12,11 +12,13 @@ time, then all six up, so that every phase sees the same machine):
 - ``on+scheduler+compiled`` (only if named in ``--phases``): the same with
   the fused checksum kernel (``"compile": true``).
 
-After warm-up requests, each of ``--rounds`` rounds sends every prompt to
-every phase, one P/D request at a time straight to the engines, the
-phases' order rotating from prompt to prompt. Each round starts the prompts
-with its number, so that no engine prefills from its prefix cache a prompt
-an earlier round sent. Measured: the prefill's latency
+After ``--warmup-rounds`` unmeasured rounds (so that every phase has seen
+every prompt length once: an engine's first prefill of a length is slow),
+each of ``--rounds`` rounds sends every prompt to every phase, one P/D
+request at a time straight to the engines, the phases' order rotating from
+prompt to prompt. Each round starts the prompts with its number, so that no
+engine prefills from its prefix cache a prompt an earlier round sent.
+Measured: the prefill's latency
 (max_tokens 1), the decode's time to first token (streamed: the KV load and
 its verification included) and its total time. Printed: per phase, medians
 and p90 over all rounds, each as a ratio to ``off`` (the median of the
@@ -212,10 +214,21 @@ def probe_steps(servers: Servers, phase: str) -> list[int]:
     return [int(m[1]) for m in pattern.finditer(log.read_text(errors="replace"))]
 
 
+def labelled(prompt: str, round_number: int) -> str:
+    """``prompt`` as sent in round ``round_number``, warm-up rounds included.
+
+    The label makes the prompt new to every engine's prefix cache (a prompt an
+    engine has seen would prefill from it). Its number has a fixed width, for
+    an engine's first prefill of a prompt length is slow (docs/vllm.md) and
+    the tiny model's tokenizer takes a token per digit: "Round 10." is a
+    token longer than "Round 9.".
+    """
+    return f"Round {round_number:03d}. {prompt}"
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     phases = args.phases.split(",")
-    texts = prompts(args.warmup + args.requests, seed=7, words=(170, 180))
-    warmup, measured = texts[: args.warmup], texts[args.warmup :]
+    measured = prompts(args.requests, seed=7, words=(170, 180))
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as http:
         servers = Servers(http)
@@ -227,9 +240,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await servers.use(
                     {f"{phase}-producer": producer, f"{phase}-consumer": consumer}
                 )
-            for phase in phases:
-                for i, prompt in enumerate(warmup):
-                    await pd_request(http, servers, phase, prompt, f"{phase}-w{i}")
+            # Every prompt length the rounds send, seen once by every phase.
+            for w in range(args.warmup_rounds):
+                for i, prompt in enumerate(measured):
+                    for phase in phases:
+                        text = labelled(prompt, w)
+                        await pd_request(
+                            http, servers, phase, text, f"{phase}-w{w}-{i}"
+                        )
             steps_before = {phase: len(probe_steps(servers, phase)) for phase in phases}
             samples: dict[str, list[list[dict[str, float]]]] = {p: [] for p in phases}
             own: dict[str, list[dict[str, float]]] = {p: [] for p in phases}
@@ -238,9 +256,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for p in phases:
                     samples[p].append([])
                 for i, prompt in enumerate(measured):
-                    # New to every engine's prefix cache: a prompt seen in an
-                    # earlier round would prefill from cache.
-                    text = f"Round {r + 1}. {prompt}"
+                    text = labelled(prompt, args.warmup_rounds + r)
                     shift = (i + r) % len(phases)
                     for phase in phases[shift:] + phases[:shift]:
                         if args.pollers == "focus":
@@ -770,7 +786,12 @@ async def main() -> None:
     # 20 prompts x 5 rounds gave on+scheduler x1.23 [0.81, 1.63], 40 x 5
     # x0.99 [0.96, 1.10] on the same machine.
     parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="rounds of the same prompts before the measured ones, not measured",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--out", type=Path)

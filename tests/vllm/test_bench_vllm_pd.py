@@ -164,6 +164,23 @@ def test_combine_pools_the_rounds_of_several_runs(tmp_path: Path) -> None:
         bench.combine([paths[0], only_off])
 
 
+def test_every_round_sends_each_prompt_at_the_warm_up_rounds_token_count() -> None:
+    # An engine's first prefill of a prompt length is slow: a measured round
+    # must send only lengths the warm-up round sent, even past round 9.
+    from transformers import AutoTokenizer
+
+    bench = _load_bench()
+    tokenizer = AutoTokenizer.from_pretrained(bench.ensure_model())
+    for prompt in bench.prompts(3, seed=7, words=(170, 180)):
+        counts = {
+            len(tokenizer(bench.labelled(prompt, r))["input_ids"])
+            for r in (0, 1, 9, 10, 11, 99, 100, 101)
+        }
+        assert len(counts) == 1, counts
+    first, second = (bench.labelled("same prompt", r) for r in (0, 1))
+    assert first != second  # new to the prefix cache
+
+
 def _load_bench() -> ModuleType:
     """benchmarks/bench_vllm_pd.py as a module (benchmarks/ is no package)."""
     spec = importlib.util.spec_from_file_location(
