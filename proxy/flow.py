@@ -776,6 +776,14 @@ class Flow:
         resp.close()
         if verdict.kind is First.ERROR:
             return self._decode_error(attempt, 200, verdict.message.encode())
+        if verdict.kind is First.ABORTED:
+            # As for a collected stream: an abort says something about the
+            # instance, and the client has seen nothing yet.
+            st.health.note(decode, ok=False)
+            st.metrics.upstream_failures.labels(
+                "decode", decode.url, "decode_aborted"
+            ).inc()
+            return Failure("decode_aborted", verdict.message, "decode")
         return self._answered("decode_empty", verdict.message, decode, attempt.prefill)
 
     async def _collect(

@@ -23,6 +23,7 @@ class First(enum.Enum):
     DATA = "data"
     ERROR = "error"
     EMPTY = "empty"
+    ABORTED = "aborted"
 
 
 @dataclass(slots=True)
@@ -48,7 +49,12 @@ def error_message(data: bytes) -> str | None:
 
 
 class FirstEventScanner:
-    """Buffers SSE bytes until the first event that carries data.
+    """Buffers SSE bytes until the first event that carries output.
+
+    A chat stream's opening chunk carries only the assistant's role, and
+    comes before the engine's first output, a failed KV load's error event
+    included: it is held, not taken for output. A choice finished by
+    ``abort`` before any output is :attr:`First.ABORTED`.
 
     ``feed`` returns None while no complete data event has arrived; then a
     Verdict. ``held`` is every byte fed so far, to relay once the stream is
@@ -79,7 +85,11 @@ class FirstEventScanner:
             message = error_message(data)
             if message is not None:
                 return Verdict(First.ERROR, message)
-            return Verdict(First.DATA)
+            kind = _output_kind(data)
+            if kind is First.ABORTED:
+                return Verdict(kind, "decode aborted the request before its output")
+            if kind is not None:
+                return Verdict(kind)
         return None
 
     def at_eof(self) -> Verdict:
@@ -88,6 +98,37 @@ class FirstEventScanner:
         if tail is not None and tail.kind is not First.EMPTY:
             return tail
         return Verdict(First.EMPTY, "stream ended before any data")
+
+
+def _output_kind(data: bytes) -> First | None:
+    """DATA if an event's payload carries output (or is nothing this can
+    read), ABORTED if it finishes a choice by ``abort`` before any, None if
+    it carries only a chat stream's role."""
+    if b'"role"' not in data and b'"abort"' not in data:
+        return First.DATA
+    try:
+        obj = _decode_json(data)
+    except (msgspec.DecodeError, RecursionError):
+        return First.DATA
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return First.DATA
+    aborted = False
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("text"):
+            return First.DATA
+        delta = choice.get("delta")
+        if delta is not None and (
+            not isinstance(delta, dict)
+            or any(value for key, value in delta.items() if key != "role")
+        ):
+            return First.DATA
+        reason = choice.get("finish_reason")
+        if reason == "abort":
+            aborted = True
+        elif reason is not None or delta is None:
+            return First.DATA
+    return First.ABORTED if aborted else None
 
 
 class EventReader:

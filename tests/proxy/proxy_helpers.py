@@ -224,6 +224,12 @@ class StubEngine:
             if self.mode == "empty":
                 await resp.write(b": keep-alive\n\ndata: [DONE]\n\n")
                 return resp
+            if self.mode == "abort":  # dropped before its first token
+                chunk = {"id": rid, "choices": [{"text": "", "finish_reason": "abort"}]}
+                await resp.write(
+                    b"data: " + msgspec.json.encode(chunk) + b"\n\ndata: [DONE]\n\n"
+                )
+                return resp
             words = text.split(" ")[1:]
             for i, word in enumerate(words):
                 chunk = {"id": rid, "choices": [{"index": 0, "text": " " + word}]}

@@ -168,6 +168,32 @@ async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected
     assert held == 0  # the KV of failed loads was freed, not left to its lease
 
 
+async def test_corrupted_load_of_a_chat_stream_is_retried_on_another_prefill():
+    # A chat stream opens with a role-only chunk before the decode's verdict.
+    route = "/v1/chat/completions"
+    bad_spec = EngineSpec(role=Role.PRODUCER, fault=CORRUPTING)
+    async with fake_engines(bad_spec, PRODUCER, CONSUMER, MONOLITH) as (
+        bad,
+        good,
+        d,
+        mono,
+    ):
+        config = make_config(
+            [bad, good],
+            [d],
+            ejection={"instance_failures": 100},
+            retry={"backoff_base_s": 0.001},
+        )
+        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
+            refs = await references(s, mono, route)
+            for prompt in PROMPTS[:4]:  # round robin: two start on the bad one
+                reply = await answer(s, px.url, route, body(route, prompt, True))
+                assert reply == (200, refs[prompt], [])
+            metrics = await px.metrics()
+    failures = metric(metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad)
+    assert failures >= 1
+
+
 async def test_faulty_decode_among_two_every_answer_correct_and_ejected():
     concurrency, threshold = 8, 3
     bad_spec = EngineSpec(

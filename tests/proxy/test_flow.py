@@ -221,6 +221,20 @@ async def test_empty_decode_stream_is_retried_elsewhere(stubs):
     assert 'kvguard_proxy_retries_total{reason="decode_empty"} 1.0' in metrics
 
 
+async def test_decode_abort_before_first_token_is_retried_elsewhere(stubs):
+    p, d_abort, d_good = await stubs(), await stubs("abort"), await stubs()
+    config = make_config(
+        [p.url], [d_abort.url, d_good.url], retry={"backoff_base_s": 0}
+    )
+    async with running_proxy(config) as px:
+        for _ in range(2):
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+            text, errors = await read_sse(resp)
+            assert (errors, text) == ([], expected_text("hello world", 6))
+        metrics = await px.metrics()
+    assert 'kvguard_proxy_retries_total{reason="decode_aborted"} 1.0' in metrics
+
+
 async def test_first_token_timeout_is_retried(stubs):
     p, d_hang, d_good = await stubs(), await stubs("hang"), await stubs()
     config = make_config(

@@ -269,6 +269,62 @@ def test_a_finish_reason_named_error_is_data_not_an_error_event():
     assert verdict is not None and verdict.kind is First.DATA
 
 
+ROLE_CHUNK = (
+    b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, '
+    b'"delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}\n\n'
+)
+
+
+def test_a_chat_streams_role_chunk_is_held_until_its_first_output():
+    s = FirstEventScanner()
+    assert s.feed(ROLE_CHUNK) is None
+    verdict = s.feed(
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+    )
+    assert verdict is not None and verdict.kind is First.DATA
+    assert s.held.startswith(ROLE_CHUNK)
+
+
+def test_an_error_after_a_chat_streams_role_chunk_is_an_error_before_output():
+    verdict = FirstEventScanner().feed(
+        ROLE_CHUNK + b'data: {"error": {"message": "KV checksum mismatch"}}\n\n'
+    )
+    assert verdict is not None and verdict.kind is First.ERROR
+    scanner = FirstEventScanner()
+    assert scanner.feed(ROLE_CHUNK) is None
+    assert scanner.at_eof().kind is First.EMPTY
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'{"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}',
+        b'{"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}',
+    ],
+)
+def test_an_abort_before_any_output_is_aborted_not_data(event):
+    verdict = FirstEventScanner().feed(ROLE_CHUNK + b"data: " + event + b"\n\n")
+    assert verdict is not None and verdict.kind is First.ABORTED
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # An empty completion (EOS first) is an answer.
+        b'{"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}',
+        b'{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}',
+        b'{"choices": [{"index": 0, "delta": {"role": "assistant", '
+        b'"tool_calls": [{"id": "t"}]}}]}',
+        b'{"choices": [{"index": 0, "text": "a", "finish_reason": "abort"}]}',
+        b'{"choices": [{"index": 0, "text": ""}]}',
+        b'{"role": [1], "choices": "x"}',
+    ],
+)
+def test_any_output_or_unknown_shape_is_data(event):
+    verdict = FirstEventScanner().feed(b"data: " + event + b"\n\n")
+    assert verdict is not None and verdict.kind is First.DATA
+
+
 @settings(deadline=None)
 @given(st.binary(max_size=200), st.integers(min_value=1, max_value=50))
 def test_scanner_verdict_does_not_depend_on_chunking(payload, size):
