@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from proxy.assemble import Assembler
 from proxy.auth import bearer
@@ -294,6 +294,11 @@ class Flow:
                 f"Request body exceeds {cfg.limits.max_body_bytes} bytes",
                 request_id,
             )
+        except web.RequestPayloadError:
+            metrics.count_request(label, "bad_request")
+            resp = error_response(400, "Request body could not be decoded", request_id)
+            resp.force_close()
+            return resp
         except TimeoutError:
             metrics.count_request(label, "body_timeout")
             resp = error_response(
@@ -348,10 +353,19 @@ class Flow:
 
     @staticmethod
     async def _read_body(request: web.Request, limit: int) -> bytes:
+        """The request's body, at most ``limit`` bytes as the flow reads it.
+
+        A compressed body (``Content-Encoding``) is counted as aiohttp
+        inflates it, not by its ``Content-Length``.
+
+        Raises:
+            _TooLarge: the body is over ``limit``.
+            web.RequestPayloadError: the body does not decode (bad gzip).
+        """
         length = request.content_length
-        if length is not None:
-            if length > limit:
-                raise _TooLarge
+        if length is not None and length > limit:
+            raise _TooLarge
+        if length is not None and hdrs.CONTENT_ENCODING not in request.headers:
             return await request.read()
         buf = bytearray()
         async for chunk in request.content.iter_any():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 
+import msgspec
 from proxy_helpers import expected_text, make_config
 
 from proxy.testing import running_proxy
@@ -91,6 +93,30 @@ async def test_oversized_body_is_413_with_or_without_content_length(stubs):
         assert resp.status == 413
         assert (await resp.json())["error"]["code"] == 413
     assert p.requests == []
+
+
+async def test_a_compressed_body_is_held_to_the_limit_as_it_inflates(stubs):
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], limits={"max_body_bytes": 2048})
+    small = msgspec.json.encode({"prompt": "hi", "max_tokens": 4})
+    bomb = msgspec.json.encode({"prompt": "x" * 100_000})
+    gzip_ = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", gzip.compress(bomb), headers=gzip_)
+        assert len(gzip.compress(bomb)) < 2048
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == 413
+        assert p.requests == []
+
+        resp = await px.post("/v1/completions", small, headers=gzip_)
+        assert resp.status == 400  # labelled gzip, but it is not
+        error = (await resp.json())["error"]
+        assert error["type"] == "BadRequestError" and error["code"] == 400
+        assert p.requests == []
+
+        resp = await px.post("/v1/completions", gzip.compress(small), headers=gzip_)
+        assert resp.status == 200
+        assert p.requests[0][2]["prompt"] == "hi"
 
 
 async def test_requests_over_the_in_flight_limit_are_429(stubs):
