@@ -75,8 +75,8 @@ class Failure:
 
     ``answered`` failures are ones the instance answered (a 5xx, an error
     event, an empty or oversized reply): the request's own content may have
-    caused them, so they count against ``instance`` only once the request is
-    over and did not fail alike elsewhere (see ``Flow._serve``). Connection
+    caused them, so they count against ``instance`` only once another
+    attempt has served the request (see ``Flow._serve``). Connection
     failures and timeouts say something about the instance and count at once.
     """
 
@@ -154,6 +154,7 @@ class _Request:
     assemble: bool = False  # a stream decoded for a non-streaming client
     outcome: str | None = None
     answered: list[Failure] = field(default_factory=list)
+    served: bool = False  # a decode gave data: the request itself can be served
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -405,7 +406,8 @@ class Flow:
 
         A request that fails alike on two instances (same leg, same reason;
         for a decode, with different prefills too) is at fault itself: it
-        fails at once, for its client only, and counts against no instance.
+        fails at once, for its client only. Answered failures count against
+        their instances only if another attempt served the request.
         """
         try:
             return await self._attempts(req)
@@ -413,8 +415,10 @@ class Flow:
             self._settle(req)
 
     def _settle(self, req: _Request) -> None:
-        """Counts the request's answered failures, once per instance."""
-        if req.outcome == "request_error":
+        """Counts the request's answered failures, once per instance, if
+        another attempt served it: one no instance served (a single decode,
+        or two sharing its prefill) may be at fault itself."""
+        if not req.served:
             return
         counted: set[Instance] = set()
         for failure in req.answered:
@@ -555,11 +559,11 @@ class Flow:
                 elif not (req.body.stream or req.assemble):
                     result = await self._decode_json(req, attempt, remaining)
                     if isinstance(result, Answer):
-                        self._decoded(attempt)
+                        self._decoded(req, attempt)
                 else:
                     first = await self._decode_first(req, attempt, remaining)
                     if isinstance(first, FirstData):
-                        self._decoded(attempt)
+                        self._decoded(req, attempt)
                         if req.assemble:
                             result = await self._collect(req, attempt, first)
                         else:
@@ -608,8 +612,10 @@ class Flow:
         if logging_on:
             attempt_log.info("%s", _encode_json(entry).decode())
 
-    def _decoded(self, attempt: Attempt) -> None:
-        """The decode gave data: it is healthy, and any KV it loaded was clean."""
+    def _decoded(self, req: _Request, attempt: Attempt) -> None:
+        """The decode gave data: it is healthy, any KV it loaded was clean,
+        and the request can be served."""
+        req.served = True
         self.state.health.note(attempt.decode, ok=True)
         if attempt.prefill is not None and attempt.loads_kv:
             for ejection in self.state.tracker.record_success(

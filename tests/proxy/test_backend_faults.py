@@ -88,6 +88,45 @@ async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
 POISON = {"prompt": [""], "max_tokens": 4}
 
 
+async def test_requests_no_decode_can_serve_take_no_decode_out_of_service(stubs):
+    # Two decodes sharing one prefill fail the request alike, yet not "with
+    # different prefills": the request or the prefill is at fault, not both
+    # decodes. No probe in time to bring one back.
+    p = await stubs(poison_leg="decode")
+    d1, d2 = await stubs(poison_leg="decode"), await stubs(poison_leg="decode")
+    config = make_config(
+        [p.url],
+        [d1.url, d2.url],
+        health={"interval_s": 60, "unhealthy_threshold": 2},
+        retry={"backoff_base_s": 0},
+    )
+    async with running_proxy(config) as px:
+        for _ in range(3):
+            resp = await px.post("/v1/completions", POISON)
+            assert resp.status >= 500
+            assert "engine step failed" in (await resp.json())["error"]["message"]
+        assert all(i.healthy for i in px.state.all_instances())
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+
+
+async def test_a_decode_failing_what_another_serves_is_taken_out_of_service(stubs):
+    p, bad, good = await stubs(), await stubs("error500"), await stubs()
+    config = make_config(
+        [p.url],
+        [bad.url, good.url],
+        health={"interval_s": 60, "unhealthy_threshold": 2},
+        retry={"backoff_base_s": 0},
+    )
+    async with running_proxy(config) as px:
+        for _ in range(4):
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+            await resp.read()
+        healthy = {i.url: i.healthy for i in px.state.all_instances()}
+    assert healthy == {p.url: True, bad.url: False, good.url: True}
+
+
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
 @pytest.mark.parametrize("size", [1, 2], ids=["1p1d", "2p2d"])
 async def test_a_request_that_crashes_engines_takes_no_instance_out_of_service(
