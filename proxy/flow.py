@@ -660,7 +660,12 @@ class Flow:
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
             st.metrics.upstream_failures.labels("prefill", prefill.url, reason).inc()
+            if reason == "prefill_timeout":  # it may still be prefilling
+                self._abort(prefill, attempt.id, None)
             return Failure(reason, message, "prefill")
+        except asyncio.CancelledError:
+            self._abort(prefill, attempt.id, None)
+            raise
         finally:
             prefill.in_flight -= 1
         st.metrics.leg_prefill.observe(time.monotonic() - started)
@@ -715,7 +720,13 @@ class Flow:
                 "decode_reply_too_large", f"decode {exc}", decode, attempt.prefill
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return self._decode_transport_failure(decode, exc, timeout)
+            failure = self._decode_transport_failure(decode, exc, timeout)
+            if failure.reason == "decode_timeout":  # it may still be decoding
+                self._abort(decode, attempt.id, None)
+            return failure
+        except asyncio.CancelledError:
+            self._abort(decode, attempt.id, None)
+            raise
         st.metrics.leg_decode.observe(time.monotonic() - started)
         attempt.status = status
         if status >= 500 or status < 200 or 300 <= status < 400:
@@ -872,6 +883,9 @@ class Flow:
                 f"decode stream broke: {exc.__class__.__name__}",
                 "decode",
             )
+        except asyncio.CancelledError:  # the client left
+            self._abort(decode, attempt.id, None)
+            raise
         finally:
             if failure is None and done:
                 resp.release()
@@ -957,7 +971,7 @@ class Flow:
                 resp.close()
             else:
                 resp.release()
-            if outcome == "client_disconnected":
+            if outcome != "ok":  # the client left, or the stream was given up
                 self._abort(decode, attempt.id, None)
 
     async def _pump(

@@ -39,7 +39,7 @@ class StubEngine:
     """One backend; ``mode`` picks a failure to simulate."""
 
     port: int = 0
-    mode: str = "ok"  # ok|corrupt|integrity|error500|hang|empty|die|bad400|slow
+    mode: str = "ok"  # ok|corrupt|integrity|error500|hang|empty|abort|die|bad400
     requests: list[tuple[str, Mapping[str, str], dict[str, Any]]] = field(
         default_factory=list
     )
@@ -47,6 +47,8 @@ class StubEngine:
     held: set[str] = field(default_factory=set)
     cancelled: int = 0
     chunk_delay: float = 0.0
+    # Seconds a prefill takes before it answers.
+    prefill_delay: float = 0.0
     # Resets (RST, before any reply) a request on a connection idle this long:
     # what a client sees when it reuses a connection the server just closed.
     reset_idle_s: float | None = None
@@ -156,6 +158,12 @@ class StubEngine:
                 status=500,
             )
         if leg == "prefill":
+            if self.prefill_delay:
+                try:
+                    await asyncio.sleep(self.prefill_delay)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
             internal = f"internal-{rid}"
             self.held.add(internal)
             return await self._json(

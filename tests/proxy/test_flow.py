@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
+import pytest
 from proxy_helpers import expected_text, make_config, read_sse
 
 from proxy.body import PREFILL_KV_PARAMS
@@ -160,6 +162,64 @@ async def test_a_client_cannot_abort_another_clients_request_by_its_id(stubs):
     attacker_id = d.requests[-1][1]["X-Request-Id"]
     assert attacker_id != victim_id
     assert d.aborts == [[attacker_id]]
+
+
+async def until(condition: Callable[[], object]) -> None:
+    """Waits up to 5 s for ``condition``: aborts go out in the background."""
+    for _ in range(250):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_non_stream_client_leaving_mid_decode_aborts_the_decode(stubs):
+    p, d = await stubs(), await stubs(chunk_delay=0.2)
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        with pytest.raises(TimeoutError):
+            await px.post(
+                "/v1/completions",
+                {"prompt": "hi", "max_tokens": 20},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            )
+        await until(lambda: d.aborts)
+    assert d.aborts == [[d.requests[0][1]["X-Request-Id"]]]
+
+
+async def test_a_stream_given_up_as_idle_aborts_the_decode(stubs):
+    p, d = await stubs(), await stubs(chunk_delay=2.0)
+    config = make_config([p.url], [d.url], timeouts={"stream_idle_s": 0.3})
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        _, errors = await read_sse(resp)
+        assert "idle" in str(errors)
+        await until(lambda: d.aborts)
+    assert d.aborts == [[d.requests[0][1]["X-Request-Id"]]]
+
+
+async def test_a_prefill_past_its_timeout_is_aborted(stubs):
+    p, d = await stubs(prefill_delay=2.0), await stubs()
+    config = make_config(
+        [p.url], [d.url], timeouts={"prefill_s": 0.3}, retry={"max_attempts": 1}
+    )
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 503
+        await until(lambda: p.aborts)
+    assert p.aborts == [[p.requests[0][1]["X-Request-Id"]]]
+
+
+async def test_a_client_leaving_during_the_prefill_aborts_it(stubs):
+    p, d = await stubs(prefill_delay=2.0), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        with pytest.raises(TimeoutError):
+            await px.post(
+                "/v1/completions",
+                {**COMPLETION, "stream": True},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+        await until(lambda: p.aborts)
+    assert p.aborts == [[p.requests[0][1]["X-Request-Id"]]]
+    assert d.requests == []
 
 
 async def test_corrupted_load_is_retried_on_another_prefill_with_attempt_suffix(stubs):
