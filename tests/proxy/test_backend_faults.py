@@ -9,7 +9,7 @@ import time
 import pytest
 from proxy_helpers import make_config
 
-from proxy.config import TimeoutsConfig
+from proxy.config import ProxyConfig, TimeoutsConfig
 from proxy.testing import running_proxy
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -88,18 +88,23 @@ async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
 POISON = {"prompt": [""], "max_tokens": 4}
 
 
-async def test_requests_no_decode_can_serve_take_no_decode_out_of_service(stubs):
-    # Two decodes sharing one prefill fail the request alike, yet not "with
-    # different prefills": the request or the prefill is at fault, not both
-    # decodes. No probe in time to bring one back.
-    p = await stubs(poison_leg="decode")
-    d1, d2 = await stubs(poison_leg="decode"), await stubs(poison_leg="decode")
-    config = make_config(
-        [p.url],
-        [d1.url, d2.url],
+def one_prefill_two_decodes(p: str, d1: str, d2: str) -> ProxyConfig:
+    """Two failures take an instance out; no probe in time to bring it back."""
+    return make_config(
+        [p],
+        [d1, d2],
         health={"interval_s": 60, "unhealthy_threshold": 2},
         retry={"backoff_base_s": 0},
     )
+
+
+async def test_requests_no_decode_can_serve_take_no_decode_out_of_service(stubs):
+    # Two decodes sharing one prefill fail the request alike, yet not "with
+    # different prefills": the request or the prefill is at fault, not both
+    # decodes.
+    p = await stubs(poison_leg="decode")
+    d1, d2 = await stubs(poison_leg="decode"), await stubs(poison_leg="decode")
+    config = one_prefill_two_decodes(p.url, d1.url, d2.url)
     async with running_proxy(config) as px:
         for _ in range(3):
             resp = await px.post("/v1/completions", POISON)
@@ -112,12 +117,7 @@ async def test_requests_no_decode_can_serve_take_no_decode_out_of_service(stubs)
 
 async def test_a_decode_failing_what_another_serves_is_taken_out_of_service(stubs):
     p, bad, good = await stubs(), await stubs("error500"), await stubs()
-    config = make_config(
-        [p.url],
-        [bad.url, good.url],
-        health={"interval_s": 60, "unhealthy_threshold": 2},
-        retry={"backoff_base_s": 0},
-    )
+    config = one_prefill_two_decodes(p.url, bad.url, good.url)
     async with running_proxy(config) as px:
         for _ in range(4):
             resp = await px.post("/v1/completions", COMPLETION)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -19,7 +21,7 @@ pytest.importorskip("torch")
 
 from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
 from fake_engine.testing import EngineSpec, fake_engines
-from proxy.testing import running_proxy
+from proxy.testing import RunningProxy, running_proxy
 from tests.support.metrics import fetch_metric, metric
 
 PRODUCER = EngineSpec(role=Role.PRODUCER)
@@ -135,8 +137,12 @@ async def run_load(
     return results
 
 
-async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected():
-    concurrency, threshold = 8, 3
+@asynccontextmanager
+async def a_corrupting_prefill_beside_a_good_one(
+    **ejection: Any,
+) -> AsyncIterator[tuple[str, str, str, RunningProxy]]:
+    """(corrupting prefill, decode, monolith, proxy): the proxy in front of
+    a prefill that corrupts every KV it sends, a good one, and a decode."""
     bad_spec = EngineSpec(role=Role.PRODUCER, fault=CORRUPTING)
     async with fake_engines(bad_spec, PRODUCER, CONSUMER, MONOLITH) as (
         bad,
@@ -145,16 +151,24 @@ async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected
         mono,
     ):
         config = make_config(
-            [bad, good],
-            [d],
-            ejection={"instance_failures": threshold, "cooldown_s": 300},
-            retry={"backoff_base_s": 0.001},
+            [bad, good], [d], ejection=ejection, retry={"backoff_base_s": 0.001}
         )
-        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
-            refs = await references(s, mono)
-            results = await run_load(px.url, refs, 200, concurrency)
-            metrics = await px.metrics()
-            held = await fetch_metric(s, bad, "kvguard_kv_blocks_held")
+        async with running_proxy(config) as px:
+            yield bad, d, mono, px
+
+
+async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected():
+    concurrency, threshold = 8, 3
+    async with (
+        a_corrupting_prefill_beside_a_good_one(
+            instance_failures=threshold, cooldown_s=300
+        ) as (bad, d, mono, px),
+        aiohttp.ClientSession() as s,
+    ):
+        refs = await references(s, mono)
+        results = await run_load(px.url, refs, 200, concurrency)
+        metrics = await px.metrics()
+        held = await fetch_metric(s, bad, "kvguard_kv_blocks_held")
     assert len(results) == 200
     assert all(r == (200, True, []) for r in results)
     failures = metric(metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad)
@@ -171,25 +185,20 @@ async def test_faulty_prefill_beside_a_good_one_every_answer_correct_and_ejected
 async def test_corrupted_load_of_a_chat_stream_is_retried_on_another_prefill():
     # A chat stream opens with a role-only chunk before the decode's verdict.
     route = "/v1/chat/completions"
-    bad_spec = EngineSpec(role=Role.PRODUCER, fault=CORRUPTING)
-    async with fake_engines(bad_spec, PRODUCER, CONSUMER, MONOLITH) as (
-        bad,
-        good,
-        d,
-        mono,
+    async with (
+        a_corrupting_prefill_beside_a_good_one(instance_failures=100) as (
+            bad,
+            _,
+            mono,
+            px,
+        ),
+        aiohttp.ClientSession() as s,
     ):
-        config = make_config(
-            [bad, good],
-            [d],
-            ejection={"instance_failures": 100},
-            retry={"backoff_base_s": 0.001},
-        )
-        async with running_proxy(config) as px, aiohttp.ClientSession() as s:
-            refs = await references(s, mono, route)
-            for prompt in PROMPTS[:4]:  # round robin: two start on the bad one
-                reply = await answer(s, px.url, route, body(route, prompt, True))
-                assert reply == (200, refs[prompt], [])
-            metrics = await px.metrics()
+        refs = await references(s, mono, route)
+        for prompt in PROMPTS[:4]:  # round robin: two start on the bad one
+            reply = await answer(s, px.url, route, body(route, prompt, True))
+            assert reply == (200, refs[prompt], [])
+        metrics = await px.metrics()
     failures = metric(metrics, "kvguard_proxy_kv_integrity_failures_total", prefill=bad)
     assert failures >= 1
 

@@ -267,32 +267,19 @@ async def test_decode_error_event_before_first_token_is_retried(stubs):
             )
 
 
-async def test_empty_decode_stream_is_retried_elsewhere(stubs):
-    p, d_empty, d_good = await stubs(), await stubs("empty"), await stubs()
-    config = make_config(
-        [p.url], [d_empty.url, d_good.url], retry={"backoff_base_s": 0}
-    )
+@pytest.mark.parametrize(
+    ("mode", "reason"), [("empty", "decode_empty"), ("abort", "decode_aborted")]
+)
+async def test_empty_or_aborted_decode_stream_is_retried_elsewhere(stubs, mode, reason):
+    p, d_bad, d_good = await stubs(), await stubs(mode), await stubs()
+    config = make_config([p.url], [d_bad.url, d_good.url], retry={"backoff_base_s": 0})
     async with running_proxy(config) as px:
         for _ in range(2):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
             text, errors = await read_sse(resp)
             assert (errors, text) == ([], expected_text("hello world", 6))
         metrics = await px.metrics()
-    assert 'kvguard_proxy_retries_total{reason="decode_empty"} 1.0' in metrics
-
-
-async def test_decode_abort_before_first_token_is_retried_elsewhere(stubs):
-    p, d_abort, d_good = await stubs(), await stubs("abort"), await stubs()
-    config = make_config(
-        [p.url], [d_abort.url, d_good.url], retry={"backoff_base_s": 0}
-    )
-    async with running_proxy(config) as px:
-        for _ in range(2):
-            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
-            text, errors = await read_sse(resp)
-            assert (errors, text) == ([], expected_text("hello world", 6))
-        metrics = await px.metrics()
-    assert 'kvguard_proxy_retries_total{reason="decode_aborted"} 1.0' in metrics
+    assert f'kvguard_proxy_retries_total{{reason="{reason}"}} 1.0' in metrics
 
 
 async def test_first_token_timeout_is_retried(stubs):
