@@ -993,7 +993,8 @@ class Flow:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         last = armed = now
-        tail = held[-16:]
+        # What came last, for markers a read boundary splits.
+        tail = held[-_TAIL:]
         aborted = _upstream_aborted(held)
         content = resp.content
         error: str | None = None
@@ -1013,9 +1014,15 @@ class Flow:
                     now = time.monotonic()
                     gap.observe(now - last)
                     last = now
-                    tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-                    if b'"abort"' in chunk and _upstream_aborted(chunk):
+                    if _upstream_aborted(chunk) or _upstream_aborted(
+                        tail + chunk[:_TAIL]
+                    ):
                         aborted = True
+                    tail = (
+                        chunk[-_TAIL:]
+                        if len(chunk) >= _TAIL
+                        else (tail + chunk)[-_TAIL:]
+                    )
                     if chunk.endswith(DONE_EVENT):
                         chunk = chunk[: -len(DONE_EVENT)]
                         done = True
@@ -1135,6 +1142,8 @@ class Flow:
 
 
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+# Bytes of a stream kept across reads: twice the abort marker as vLLM writes it.
+_TAIL = 48
 
 
 def _new_request_id() -> str:

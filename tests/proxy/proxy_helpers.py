@@ -39,7 +39,8 @@ class StubEngine:
     """One backend; ``mode`` picks a failure to simulate."""
 
     port: int = 0
-    mode: str = "ok"  # ok|corrupt|integrity|error500|hang|empty|abort|die|bad400
+    # ok|corrupt|integrity|error500|hang|empty|abort|abort_late|die|bad400
+    mode: str = "ok"
     requests: list[tuple[str, Mapping[str, str], dict[str, Any]]] = field(
         default_factory=list
     )
@@ -247,6 +248,19 @@ class StubEngine:
                 if self.mode == "die" and i == 1:
                     assert request.transport is not None
                     request.transport.abort()
+                    return resp
+                if self.mode == "abort_late" and i == 1:
+                    # Dropped after its first tokens, the abort event written
+                    # in two pieces that reach the proxy in two reads.
+                    done = {
+                        "id": rid,
+                        "choices": [{"text": "", "finish_reason": "abort"}],
+                    }
+                    event = b"data: " + msgspec.json.encode(done) + b"\n\n"
+                    cut = event.index(b'"abort"') + 3
+                    await resp.write(event[:cut])
+                    await asyncio.sleep(0.1)
+                    await resp.write(event[cut:] + b"data: [DONE]\n\n")
                     return resp
                 if self.chunk_delay:
                     await asyncio.sleep(self.chunk_delay)

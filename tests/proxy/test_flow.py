@@ -313,6 +313,20 @@ async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(stub
     assert len(d.requests) == 1  # nothing retried after the first byte
 
 
+async def test_decode_abort_split_across_reads_ends_the_stream_with_an_error_event(
+    stubs,
+):
+    p, d = await stubs(), await stubs("abort_late")
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status == 200
+        text, errors = await read_sse(resp)
+        metrics = await px.metrics()
+    assert text == expected_text("hello world", 6)[: len(text)] and text
+    assert len(errors) == 1 and "aborted" in errors[0]["message"]
+    assert 'reason="stream_broken"' in metrics
+
+
 async def test_idle_decode_stream_ends_with_an_error_event_within_the_idle_timeout(
     stubs,
 ):
