@@ -124,6 +124,8 @@ class IntegrityTracker:
 
     def record_success(self, prefill: Instance, decode: Instance) -> list[Ejection]:
         """A decode loaded the prefill's KV and produced data."""
+        if prefill.removed or decode.removed:
+            return []  # finished after its instance left: nothing to keep
         now = self._clock()
         counter = self._clean.setdefault(prefill, {}).get(decode)
         if counter is None:
@@ -143,8 +145,10 @@ class IntegrityTracker:
 
         A failure with an ejected instance (still in use when its pool has
         nothing else) is explained already: it is evidence against nobody.
+        One with a removed instance (a request that outlived it) is dropped:
+        nothing would ever forget it.
         """
-        if prefill.ejected or decode.ejected:
+        if prefill.ejected or decode.ejected or prefill.removed or decode.removed:
             return []
         now = self._clock()
         self._failures.append((now, prefill, decode))

@@ -212,6 +212,22 @@ def test_pair_is_ejected_after_pair_failures_and_returns_after_cooldown():
     assert not t.pair_ejected(p, d)
 
 
+def test_loads_finishing_after_their_instance_left_leave_no_record():
+    t = tracker(Clock())
+    (p1,) = insts(1)
+    (d,) = insts(1, "decode")
+    t.record_success(p1, d)
+    p1.removed = True  # a reload, an admin DELETE or DNS took it out
+    t.forget(p1)
+    # Requests in flight on p1 finish afterwards: clean ones and corrupt ones.
+    t.record_success(p1, d)
+    for _ in range(3):
+        assert t.record_failure(p1, d) == []
+    assert not t.has_ejected_pairs()
+    assert t.blamed(d) == 0
+    assert p1 not in t._clean and p1 not in t._clean.get(d, {})
+
+
 def test_router_avoids_ejected_pairs_and_tried_instances_but_never_runs_dry():
     clock = Clock()
     t = tracker(clock)
