@@ -73,6 +73,14 @@ def normalize_dns_name(value: str) -> str:
         or url.fragment
     ):
         raise ValueError(f"must be host:port, e.g. prefill.kv.svc:8100, got {value!r}")
+    try:
+        ipaddress.ip_address(url.host)
+    except ValueError:
+        try:
+            url.host.encode("idna")
+        except UnicodeError:
+            # An empty or over-long label: no resolver can look it up.
+            raise ValueError(f"not a valid host name: {value!r}") from None
     return f"{url.host.lower()}:{url.explicit_port}"
 
 
@@ -230,6 +238,19 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(default=2.0, gt=0)
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=1, ge=1)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        base = "http://instance:8000"
+        try:
+            url = URL(base + value)
+        except ValueError:
+            url = None
+        # Appended to each instance's URL: it must not change the host.
+        if url is None or not value.startswith("/") or str(url.origin()) != base:
+            raise ValueError(f"must be an absolute path such as /health, got {value!r}")
+        return value
 
 
 class DiscoveryConfig(_Strict):

@@ -11,6 +11,7 @@ integrity failures returns only after its cooldown *and* a passing probe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -19,11 +20,15 @@ import aiohttp
 from yarl import URL
 
 from proxy.instances import Instance
+from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from proxy.state import ProxyState
 
 log = logging.getLogger("kvguard.proxy.health")
+
+# What a probe reads of a /health body (vLLM's is empty).
+_MAX_BODY = 65536
 
 
 class Health:
@@ -38,6 +43,7 @@ class Health:
             inst.consecutive_failures = 0
             return
         cfg = self.state.config.health
+        inst.failed_at = time.monotonic()
         inst.consecutive_successes = 0
         inst.consecutive_failures += 1
         if (
@@ -53,10 +59,15 @@ class Health:
                 inst.consecutive_failures,
             )
 
-    def _probed(self, inst: Instance, ok: bool) -> None:
+    def _probed(self, inst: Instance, ok: bool, started: float) -> None:
+        """Applies a probe sent at ``started``; a pass is stale, and ignored,
+        when a failure was noted on ``inst`` since (the instance may have
+        died after answering)."""
         cfg = self.state.config.health
         if not ok:
             self.note(inst, ok=False)
+            return
+        if inst.failed_at >= started:
             return
         inst.consecutive_failures = 0
         inst.consecutive_successes += 1
@@ -78,31 +89,36 @@ class Health:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
             ) as resp:
-                await resp.read()
-                return 200 <= resp.status < 300
-        except (TimeoutError, aiohttp.ClientError):
+                ok = 200 <= resp.status < 300
+                # Read so the connection is reused; a larger body closes it.
+                with contextlib.suppress(ReplyTooLarge):
+                    await read_capped(resp, _MAX_BODY)
+                return ok
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            # ValueError: a URL that yarl refuses.
             return False
 
     async def probe_instance(self, inst: Instance) -> bool:
         """Probes ``inst`` now and applies the result (a new instance's way in)."""
+        started = time.monotonic()
         ok = await self.probe(inst.url, inst.headers)
-        self._probed(inst, ok)
+        self._probed(inst, ok, started)
         return ok
 
     async def check_all(self) -> None:
-        """Probes every distinct URL once and applies the result to its instances."""
+        """Probes every distinct URL once; each result applies to its URL's
+        instances as soon as it comes, not after the round's slowest probe."""
         by_url: dict[str, list[Instance]] = {}
         for inst in self.state.all_instances():
             by_url.setdefault(inst.url, []).append(inst)
-        if not by_url:
-            return
-        urls = list(by_url)
-        results = await asyncio.gather(
-            *(self.probe(u, by_url[u][0].headers) for u in urls)
-        )
-        for url, ok in zip(urls, results, strict=True):
-            for inst in by_url[url]:
-                self._probed(inst, ok)
+
+        async def check(instances: list[Instance]) -> None:
+            started = time.monotonic()
+            ok = await self.probe(instances[0].url, instances[0].headers)
+            for inst in instances:
+                self._probed(inst, ok, started)
+
+        await asyncio.gather(*(check(instances) for instances in by_url.values()))
 
     async def run(self) -> None:
         """Probes forever at the configured interval (cancel to stop)."""

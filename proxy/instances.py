@@ -27,6 +27,7 @@ class Instance:
         "drained",
         "ejected_until",
         "ejections",
+        "failed_at",
         "headers",
         "healthy",
         "in_flight",
@@ -65,6 +66,7 @@ class Instance:
         self.healthy = True
         self.consecutive_failures = 0
         self.consecutive_successes = 0
+        self.failed_at = 0.0  # monotonic time of the last failure noted
         self.drained = False
         self.removed = False
         self.ejected_until = 0.0  # 0: not ejected; else cooldown end (monotonic)

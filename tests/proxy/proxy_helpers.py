@@ -48,6 +48,9 @@ class StubEngine:
     held: set[str] = field(default_factory=set)
     cancelled: int = 0
     chunk_delay: float = 0.0
+    # Seconds /health takes to answer, and how many it was asked.
+    health_delay: float = 0.0
+    health_checks: int = 0
     # Seconds a prefill takes before it answers.
     prefill_delay: float = 0.0
     # Resets (RST, before any reply) a request on a connection idle this long:
@@ -279,6 +282,9 @@ class StubEngine:
         return web.Response()
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        if self.health_delay:
+            await asyncio.sleep(self.health_delay)
         return web.json_response({}, status=503 if self.mode == "unhealthy" else 200)
 
     async def _models(self, request: web.Request) -> web.Response:
