@@ -164,7 +164,7 @@ class Discovery:
         try:
             async with asyncio.timeout(self.state.config.discovery.timeout_s * 2):
                 results = await resolver.resolve(host, port, family=socket.AF_UNSPEC)
-        except (OSError, TimeoutError) as exc:
+        except Exception as exc:  # one bad name must not stop the others
             self.lookups.labels(name, "error").inc()
             log.warning("DNS lookup of %s failed, keeping its instances: %s", name, exc)
             return None
@@ -223,6 +223,13 @@ class Discovery:
         pool.instances = [*pool.instances, *added]
         for inst in added:
             self.state.spawn(self.state.health.probe_instance(inst))
+
+    def release(self, inst: Instance) -> None:
+        """``inst`` is configured by url now: if its address had left DNS, it
+        is undrained and never reaped."""
+        if inst in self._draining:
+            self._draining.discard(inst)
+            inst.drained = False
 
     def _reap(self) -> None:
         """Removes drained-out instances whose requests have all finished."""

@@ -21,6 +21,7 @@ from proxy.auth import Auth
 from proxy.config import (
     ANY_MODEL,
     ConfigError,
+    InstanceConfig,
     PoolConfig,
     ProxyConfig,
     Role,
@@ -41,6 +42,16 @@ _encode_json = msgspec.json.Encoder().encode
 
 # How many KV integrity failures the proxy keeps for /status.
 RECENT_FAILURES = 50
+
+
+def _instance_key(entry: InstanceConfig, auth: Auth) -> str | None:
+    """The API key the proxy sends to ``entry``'s instances.
+
+    Raises:
+        ConfigError: the entry's key file or variable cannot be read.
+    """
+    keys = read_secret(entry.api_key_env, entry.api_key_file, f"{entry.key} api key")
+    return keys[0] if keys else auth.backend_key
 
 
 class ProxyState:
@@ -75,6 +86,13 @@ class ProxyState:
                 nothing changes then.
         """
         auth = Auth.from_config(config.auth)
+        # Every key is read before anything changes: a failed reload changes nothing.
+        keys = {
+            id(entry): _instance_key(entry, auth)
+            for model in config.models.values()
+            for pool in (model.prefill, model.decode)
+            for entry in pool.instances
+        }
         models: dict[str, ModelPools] = {}
         old: dict[tuple[str, str, str], Instance] = {
             (i.model, i.role, i.url): i for i in self.all_instances()
@@ -82,13 +100,21 @@ class ProxyState:
         kept: set[Instance] = set()
         for name, model in config.models.items():
             models[name] = ModelPools(
-                self._pool(name, "prefill", model.prefill, auth, old, kept),
-                self._pool(name, "decode", model.decode, auth, old, kept),
+                self._pool(name, "prefill", model.prefill, keys, old, kept),
+                self._pool(name, "decode", model.decode, keys, old, kept),
             )
         for inst in old.values():
             if inst not in kept:
                 inst.removed = True
                 self.tracker.forget(inst)
+        for inst in kept:
+            if inst.discovered_by is None:
+                # Configured by url now, though discovery may have drained it.
+                self.discovery.release(inst)
+            if not config.health.enabled and not inst.healthy:
+                # Nothing probes it any more: it would stay out for good.
+                inst.healthy = True
+                inst.consecutive_failures = 0
         self.config = config
         self.auth = auth
         self.models = models
@@ -109,22 +135,27 @@ class ProxyState:
         model: str,
         role: Role,
         cfg: PoolConfig,
-        auth: Auth,
+        keys: dict[int, str | None],
         old: dict[tuple[str, str, str], Instance],
         kept: set[Instance],
     ) -> Pool:
-        """A pool for ``cfg``, reusing the Instance objects already serving it."""
+        """A pool for ``cfg``, reusing the Instance objects already serving it.
+
+        An address a ``url:`` entry lists is that entry's, even when a
+        ``dns:`` entry of the pool found it first: listed once, never
+        drained for leaving DNS.
+        """
+        configured = {e.url for e in cfg.instances if e.url is not None}
         instances = []
         for inst_cfg in cfg.instances:
-            keys = read_secret(
-                inst_cfg.api_key_env, inst_cfg.api_key_file, f"{inst_cfg.key} api key"
-            )
-            key = keys[0] if keys else auth.backend_key
+            key = keys[id(inst_cfg)]
             if inst_cfg.url is None:
                 # A dns: entry keeps what discovery found; it resolves again now.
                 for found in old.values():
-                    if (found.model, found.role) == (model, role) and (
-                        found.discovered_by == inst_cfg.dns
+                    if (
+                        (found.model, found.role) == (model, role)
+                        and found.discovered_by == inst_cfg.dns
+                        and found.url not in configured
                     ):
                         found.weight = inst_cfg.weight
                         found.set_api_key(key)
@@ -137,6 +168,7 @@ class ProxyState:
             else:
                 inst.weight = inst_cfg.weight
                 inst.set_api_key(key)
+                inst.discovered_by = None
                 kept.add(inst)
             instances.append(inst)
         return Pool(role, cfg.policy, instances)

@@ -9,9 +9,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
 from ops_helpers import Dnsmasq, Load, complete, eventually
 
-from proxy.config import ConfigError, parse_config
+from proxy.config import ConfigError, load_config, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
 from proxy.testing import running_proxy
@@ -329,3 +330,105 @@ async def test_the_system_resolver_is_the_default():
     finally:
         for server in servers:
             await server.stop()
+
+
+async def test_an_address_also_listed_by_url_is_one_configured_instance(tmp_path):
+    path = tmp_path / "proxy.yaml"
+
+    def write(listed: bool) -> None:
+        url = '\n        - url: "http://127.0.0.1:8200"' if listed else ""
+        path.write_text(
+            f"""
+models:
+  '*':
+    prefill: {{instances: [{{url: "http://127.0.0.1:8100"}}]}}
+    decode:
+      instances:
+        - dns: "localhost:8200"{url}
+discovery: {{interval_s: 3600}}
+health: {{interval_s: 3600}}
+"""
+        )
+
+    write(listed=False)
+    async with running_proxy(load_config(path), source=str(path)) as proxy:
+        await proxy.state.discovery.refresh()
+        found = _pool_urls(proxy.state, "decode")["http://127.0.0.1:8200"]
+        assert found.discovered_by == "localhost:8200"
+        write(listed=True)
+        assert await proxy.state.reload()
+        decodes = next(iter(proxy.state.models.values())).decode.instances
+        assert decodes.count(found) == 1 and len(decodes) == len(set(decodes))
+        assert found.discovered_by is None  # a url: entry's now: never reaped
+
+
+class _Resolver(AbstractResolver):
+    """Resolves names to 127.0.0.1, but raises what a broken name raises."""
+
+    def __init__(self, broken: str) -> None:
+        self.broken = broken
+
+    async def resolve(
+        self, host: str, port: int = 0, family: int = socket.AF_INET
+    ) -> list[ResolveResult]:
+        if host == self.broken:
+            raise UnicodeError("label empty or too long")
+        return [
+            ResolveResult(
+                hostname=host,
+                host="127.0.0.1",
+                port=port,
+                family=socket.AF_INET,
+                proto=0,
+                flags=0,
+            )
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_lookup_failing_in_any_way_leaves_the_other_names_resolved():
+    config = {
+        "models": {
+            "*": {
+                "prefill": {"instances": [{"dns": "broken.kv.test:8100"}]},
+                "decode": {"instances": [{"dns": "decode.kv.test:8200"}]},
+            }
+        },
+        "discovery": {"interval_s": 3600},
+        "health": {"interval_s": 3600},
+    }
+
+    def errors(metrics: str) -> float:
+        for line in metrics.splitlines():
+            if line.startswith("kvguard_proxy_discovery_lookups_total{") and (
+                'name="broken.kv.test:8100",outcome="error"' in line
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async with running_proxy(config) as proxy:
+
+        async def failed_once() -> bool:
+            return errors(await proxy.metrics()) >= 1
+
+        # The round run at startup (the system resolver) fails this name too.
+        await eventually(failed_once, "the startup round's lookup failed")
+        discovery = proxy.state.discovery
+        discovery._resolver = _Resolver("broken.kv.test")
+        discovery._resolver_config = proxy.state.config.discovery
+        before = errors(await proxy.metrics())
+        await discovery.refresh()
+        assert list(_pool_urls(proxy.state, "decode")) == ["http://127.0.0.1:8200"]
+        assert errors(await proxy.metrics()) == before + 1
+
+
+def test_a_name_no_resolver_can_look_up_is_a_config_error():
+    for name in ("typo..kv.svc:8100", "x" * 64 + ".kv.svc:8100"):
+        with pytest.raises(ConfigError, match="not a valid host name"):
+            parse_config(
+                f"models: {{m: {{prefill: {{instances: [{{dns: '{name}'}}]}}, "
+                "decode: {instances: [{url: 'http://d:1'}]}}}\n",
+                "x.yaml",
+            )

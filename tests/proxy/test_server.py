@@ -7,8 +7,10 @@ import gzip
 import time
 
 import msgspec
-from proxy_helpers import expected_text, make_config
+import pytest
+from proxy_helpers import StubEngine, expected_text, make_config
 
+from proxy.config import ConfigError, load_config, parse_config
 from proxy.testing import running_proxy
 from tests.support.ports import free_port
 
@@ -313,6 +315,104 @@ async def test_a_bad_reload_keeps_the_running_configuration(stubs, tmp_path):
         assert resp.status == 200
         text = (await resp.json())["choices"][0]["text"]
     assert text == expected_text("hi", 4)
+
+
+async def test_a_failed_reload_changes_no_instance(stubs, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVGUARD_TEST_UNSET_KEY", raising=False)
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+
+    def write(weight: int, extra: str = "") -> None:
+        path.write_text(
+            f"""
+models:
+  '*':
+    prefill:
+      instances:
+        - {{url: "{p.url}", weight: {weight}}}{extra}
+    decode: {{instances: [{{url: "{d.url}"}}]}}
+"""
+        )
+
+    write(1)
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        (inst,) = px.state.find(p.url)
+        # A new weight, then an entry whose key cannot be read: refused whole.
+        write(
+            7,
+            '\n        - {url: "http://127.0.0.1:9", api_key_env: '
+            "KVGUARD_TEST_UNSET_KEY}",
+        )
+        assert not await px.state.reload()
+        assert inst.weight == 1 and px.state.find(p.url) == [inst]
+        assert not px.state.find("http://127.0.0.1:9")
+
+
+async def test_turning_health_checks_off_readmits_instances_probes_took_out(
+    stubs, tmp_path
+):
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+
+    def write(enabled: bool) -> None:
+        path.write_text(
+            f"""
+models:
+  '*':
+    prefill: {{instances: [{{url: "{p.url}"}}]}}
+    decode: {{instances: [{{url: "{d.url}"}}]}}
+health: {{enabled: {str(enabled).lower()}, interval_s: 3600}}
+"""
+        )
+
+    write(True)
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        p.mode = "unhealthy"  # its /health fails; completions still work
+        for _ in range(2):
+            await px.state.health.check_all()
+        assert not px.state.find(p.url)[0].healthy
+        write(False)  # the operator turns the misbehaving checks off
+        assert await px.state.reload()
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_probe_passed_before_the_instance_failed_does_not_readmit_it(stubs):
+    p, d, slow = await stubs(), await stubs(), await stubs()
+    config = make_config(
+        [p.url, slow.url], [d.url], health={"interval_s": 3600, "timeout_s": 2.0}
+    )
+
+    async def answered(stub: StubEngine, checks: int) -> None:
+        for _ in range(500):
+            if stub.health_checks >= checks:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # and the answer has reached the proxy
+
+    async with running_proxy(config) as px:
+        await answered(slow, 1)  # the round run at startup is over
+        (inst,) = px.state.find(p.url)
+        slow.health_delay = 1.0  # the next round waits for this probe
+        round_ = asyncio.create_task(px.state.health.check_all())
+        await answered(p, 2)
+        # Then p dies: two requests fail on it, and it is taken out.
+        px.state.health.note(inst, ok=False)
+        px.state.health.note(inst, ok=False)
+        assert not inst.healthy
+        await round_
+        assert not inst.healthy
+
+
+def test_a_health_path_must_be_an_absolute_path():
+    for path in ("health", "", "http://elsewhere/health"):
+        with pytest.raises(ConfigError, match=r"health\.path"):
+            parse_config(
+                "models: {m: {prefill: {instances: [{url: 'http://p:1'}]}, "
+                f"decode: {{instances: [{{url: 'http://d:1'}}]}}}}}}\n"
+                f"health: {{path: '{path}'}}\n",
+                "x.yaml",
+            )
 
 
 async def test_ejected_instance_is_probed_back_after_its_cooldown(stubs):
