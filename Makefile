@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 BENCH_VENV ?= .venv-bench
 
 .PHONY: venv demo test lint typecheck test-vllm bench bench-checksum bench-proxy \
-	bench-vllm bench-fake clean
+	bench-vllm bench-fake bench-ejection clean
 
 $(BIN)/kvguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ bench-checksum: venv
 
 bench-fake: venv
 	$(BIN)/python benchmarks/bench_fake_engine.py --breakdown
+
+bench-ejection: venv
+	$(BIN)/python benchmarks/bench_ejection.py
 
 $(BENCH_VENV)/bin/vllm-router:
 	$(PYTHON) -m venv $(BENCH_VENV)

@@ -56,16 +56,23 @@ def _concentrated(failed: int, loads: int, failed_all: int, loads_all: int) -> f
     of ``failed_all`` failures) by chance: the hypergeometric upper tail."""
     if failed <= 0:
         return 1.0
-    log_total = _log_comb(loads_all, loads)
-    tail = 0.0
-    for x in range(failed, min(loads, failed_all) + 1):
-        term = math.exp(
-            _log_comb(failed_all, x)
-            + _log_comb(loads_all - failed_all, loads - x)
-            - log_total
-        )
+    top = min(loads, failed_all)
+    # Below loads - (loads_all - failed_all) failures no draw is possible.
+    first = max(failed, loads - (loads_all - failed_all))
+    if first > top:
+        return 0.0
+    term = math.exp(
+        _log_comb(failed_all, first)
+        + _log_comb(loads_all - failed_all, loads - first)
+        - _log_comb(loads_all, loads)
+    )
+    tail = term
+    # Each next term from the last: C(K, x+1) C(N-K, n-x-1) / C(K, x) C(N-K, n-x).
+    for x in range(first, top):
+        term *= (failed_all - x) * (loads - x)
+        term /= (x + 1) * (loads_all - failed_all - loads + x + 1)
         tail += term
-        if x > failed and term < tail * 1e-9:  # past the mode: the rest is noise
+        if term < tail * 1e-9:  # past the mode: the rest is noise
             break
     return tail
 
@@ -137,8 +144,20 @@ class IntegrityTracker:
             return []
         # A clean load may complete the case against an earlier failure's side.
         self._prune(now)
-        suspects = {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
+        suspects = self._changed_by_clean(prefill, decode)
         return [e for inst in suspects if (e := self._judge(inst, now)) is not None]
+
+    def _changed_by_clean(self, prefill: Instance, decode: Instance) -> set[Instance]:
+        """The instances whose case a clean load of the pair can change.
+
+        The load changes the clean counts of its two instances only, which
+        weigh in the cases of their failed pairs: the two, and their failed
+        partners.
+        """
+        suspects = {prefill, decode}
+        suspects.update(self._failed.get(prefill, ()))
+        suspects.update(self._failed.get(decode, ()))
+        return suspects
 
     def record_failure(self, prefill: Instance, decode: Instance) -> list[Ejection]:
         """A decode failed to load the prefill's KV (checksum mismatch).

@@ -10,7 +10,13 @@ from tests.support.scripts import script_help
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_checksum.py", "bench_fake_engine.py", "bench_proxy.py"]
+    "script",
+    [
+        "bench_checksum.py",
+        "bench_ejection.py",
+        "bench_fake_engine.py",
+        "bench_proxy.py",
+    ],
 )
 def test_benchmark_script_starts(script: str) -> None:
     assert "usage:" in script_help(f"benchmarks/{script}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
+from fractions import Fraction
 
 import msgspec
 import pytest
@@ -21,7 +23,7 @@ from proxy.body import (
     prefix_key,
 )
 from proxy.config import EjectionConfig
-from proxy.ejection import IntegrityTracker
+from proxy.ejection import IntegrityTracker, _concentrated
 from proxy.instances import Instance, Pool
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
@@ -226,6 +228,60 @@ def test_loads_finishing_after_their_instance_left_leave_no_record():
     assert not t.has_ejected_pairs()
     assert t.blamed(d) == 0
     assert p1 not in t._clean and p1 not in t._clean.get(d, {})
+
+
+@given(
+    st.integers(0, 30),
+    st.integers(0, 30),
+    st.integers(0, 30),
+    st.integers(1, 60),
+)
+def test_the_chance_of_a_pairs_failures_is_the_hypergeometric_tail(f, n, k, total):
+    n, k = min(n, total), min(k, total)
+    exact = sum(
+        Fraction(math.comb(k, x) * math.comb(total - k, n - x), math.comb(total, n))
+        for x in range(max(f, 1), min(n, k) + 1)
+    )
+    chance = _concentrated(f, n, k, total)
+    assert chance == 1.0 if f <= 0 else chance == pytest.approx(float(exact), rel=1e-9)
+
+
+class _JudgingEveryone(IntegrityTracker):
+    """The tracker as it was: a clean load re-judges every failed pair's side."""
+
+    def _changed_by_clean(self, prefill: Instance, decode: Instance) -> set[Instance]:
+        return {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
+
+
+def test_clean_loads_elsewhere_complete_the_case_against_a_failed_partner():
+    t = tracker(Clock(), pair_failures=100)
+    (p,) = insts(1)
+    bad, good = insts(2, "decode")
+    for _ in range(3):
+        assert t.record_failure(p, bad) == []  # a lone pair: nobody to blame yet
+    ejected = []
+    for _ in range(40):
+        ejected += t.record_success(p, good)  # p loads cleanly elsewhere
+    assert [e.instance for e in ejected] == [bad]
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.booleans())))
+def test_a_clean_load_rejudges_every_case_it_can_change(loads):
+    """Only its pair's instances and their failed partners: the same
+    ejections as judging every instance with failures (at one instant)."""
+    ejected = []
+    for kind in (IntegrityTracker, _JudgingEveryone):
+        t = kind(
+            EjectionConfig(instance_failures=3, pair_failures=50, window_s=60), Clock()
+        )
+        ps, ds = insts(4), insts(3, "decode")
+        out = []
+        for p, d, clean in loads:
+            record = t.record_success if clean else t.record_failure
+            out.append(sorted(e.instance.url for e in record(ps[p], ds[d])))
+        ejected.append(out)
+    assert ejected[0] == ejected[1]
 
 
 def test_router_avoids_ejected_pairs_and_tried_instances_but_never_runs_dry():
