@@ -25,6 +25,7 @@ from proxy.auth import bearer
 from proxy.config import ConfigError, normalize_url, read_secret
 from proxy.errors import error_response
 from proxy.instances import Instance, Pool
+from proxy.server import expect_continue
 
 if TYPE_CHECKING:
     from proxy.state import ProxyState
@@ -78,11 +79,21 @@ def add_admin_routes(app: web.Application, key: web.AppKey[ProxyState]) -> None:
         return wrapper
 
     app.router.add_get("/admin/instances", guarded(_list))
-    app.router.add_post("/admin/instances", guarded(_add))
-    app.router.add_delete("/admin/instances", guarded(_remove))
-    app.router.add_post("/admin/instances/drain", guarded(_drain))
-    app.router.add_post("/admin/instances/undrain", guarded(_undrain))
-    app.router.add_post("/admin/reload", guarded(_reload))
+    app.router.add_post(
+        "/admin/instances", guarded(_add), expect_handler=expect_continue
+    )
+    app.router.add_delete(
+        "/admin/instances", guarded(_remove), expect_handler=expect_continue
+    )
+    app.router.add_post(
+        "/admin/instances/drain", guarded(_drain), expect_handler=expect_continue
+    )
+    app.router.add_post(
+        "/admin/instances/undrain", guarded(_undrain), expect_handler=expect_continue
+    )
+    app.router.add_post(
+        "/admin/reload", guarded(_reload), expect_handler=expect_continue
+    )
 
 
 async def _body(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Struct:

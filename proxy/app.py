@@ -22,7 +22,7 @@ from proxy.config import ANY_MODEL, ProxyConfig
 from proxy.errors import error_response
 from proxy.flow import Flow
 from proxy.instances import Instance
-from proxy.server import json_errors
+from proxy.server import expect_continue, json_errors
 from proxy.state import STATE, ProxyState
 from proxy.status import status_page
 from proxy.upstream import ReplyTooLarge, read_capped
@@ -141,8 +141,12 @@ def create_app(
     app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state
     flow = Flow(state)
-    app.router.add_post("/v1/completions", flow.completions)
-    app.router.add_post("/v1/chat/completions", flow.chat)
+    app.router.add_post(
+        "/v1/completions", flow.completions, expect_handler=expect_continue
+    )
+    app.router.add_post(
+        "/v1/chat/completions", flow.chat, expect_handler=expect_continue
+    )
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/readiness", _health)

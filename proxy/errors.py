@@ -31,7 +31,12 @@ _encode = msgspec.json.Encoder().encode
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
     """The JSON error object for ``status`` with a human-readable ``message``."""
-    err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
+    err_type = _TYPES.get(status)
+    if err_type is None:
+        try:
+            err_type = HTTPStatus(status).phrase.replace(" ", "")
+        except ValueError:  # a status a backend made up (520, 599)
+            err_type = "ServerError" if status >= 500 else "ClientError"
     return _encode(
         {
             "error": {

@@ -21,6 +21,7 @@ import logging
 import random
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -279,7 +280,7 @@ class Flow:
         # Backends never see the client's id: an id a client chose could name
         # another client's request in an abort, or in vLLM's error matching.
         backend_id = _new_request_id()
-        request_id = request.headers.get("X-Request-Id") or backend_id
+        request_id = _client_request_id(request.headers) or backend_id
         if st.auth.clients.required and not st.auth.clients.accepts(
             bearer(request.headers)
         ):
@@ -1142,8 +1143,24 @@ class Flow:
 
 
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+_MAX_CLIENT_ID = 256
 # Bytes of a stream kept across reads: twice the abort marker as vLLM writes it.
 _TAIL = 48
+
+
+def _client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's ``X-Request-Id`` when it is printable ASCII of at most
+    ``_MAX_CLIENT_ID`` characters, else None (the proxy's own id is used):
+    it is echoed in headers and logs, which take nothing else."""
+    value = headers.get("X-Request-Id")
+    if (
+        value
+        and len(value) <= _MAX_CLIENT_ID
+        and value.isascii()
+        and value.isprintable()
+    ):
+        return value
+    return None
 
 
 def _new_request_id() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
@@ -34,6 +34,19 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             if name in exc.headers:
                 resp.headers[name] = exc.headers[name]
         return resp
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' ``Expect`` handler: ``100-continue`` as aiohttp answers it,
+    any other expectation a 417 in JSON (aiohttp's own is plain text)."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        return error_response(417, f"Unknown Expect: {expect}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the reply's own size starts after it
+    return None
 
 
 class _JsonErrorHandler(RequestHandler):

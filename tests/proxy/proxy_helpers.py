@@ -48,6 +48,8 @@ class StubEngine:
     held: set[str] = field(default_factory=set)
     cancelled: int = 0
     chunk_delay: float = 0.0
+    # The status of mode error500's replies.
+    error_status: int = 500
     # Seconds /health takes to answer, and how many it was asked.
     health_delay: float = 0.0
     health_checks: int = 0
@@ -142,10 +144,10 @@ class StubEngine:
                     "error": {
                         "message": "engine dead",
                         "type": "InternalServerError",
-                        "code": 500,
+                        "code": self.error_status,
                     }
                 },
-                status=500,
+                status=self.error_status,
             )
         kvp = body.get("kv_transfer_params")
         prompt = body.get("prompt", body.get("messages"))
@@ -156,10 +158,10 @@ class StubEngine:
                     "error": {
                         "message": "engine step failed",
                         "type": "InternalServerError",
-                        "code": 500,
+                        "code": self.error_status,
                     }
                 },
-                status=500,
+                status=self.error_status,
             )
         if leg == "prefill":
             if self.prefill_delay:

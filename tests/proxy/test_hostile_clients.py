@@ -4,6 +4,7 @@ no client can lock others out or reach what it must not (issue 10)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import Mapping
 
@@ -134,6 +135,12 @@ async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
             404,
         ),
         (
+            "an expectation other than 100-continue",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-banana\r\n"
+            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+            417,
+        ),
+        (
             "wrong method",
             b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
             405,
@@ -150,6 +157,53 @@ async def test_every_error_the_proxy_writes_is_openai_json(
     got, headers, body = parse_reply(raw)
     assert got == status, (name, raw[:300])
     assert_openai_error(status, headers, body)
+
+
+async def test_expect_100_continue_still_gets_its_interim_reply(stubs):
+    p, d = await stubs(), await stubs()
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        raw = await raw_exchange(
+            px.url,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body,
+        )
+    assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"abc\xff\xfe", b"a" * 257, b"tab\there"],
+    ids=["non-utf8", "long", "tab"],
+)
+async def test_an_unusable_client_request_id_is_replaced_not_a_500(
+    stubs, header, caplog
+):
+    p, d = await stubs(), await stubs()
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        caplog.set_level(logging.INFO, "kvguard.proxy.attempts")  # each is logged
+        raw = await raw_exchange(
+            px.url,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: "
+            + header
+            + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+            + body,
+        )
+    status, headers, _ = parse_reply(raw)
+    assert status == 200
+    assert len(headers["X-Request-Id"]) == 32  # the proxy's own id
+
+
+async def test_a_status_http_does_not_name_failing_alike_is_answered_in_json(stubs):
+    p1, p2 = await stubs("error500"), await stubs("error500")
+    p1.error_status = p2.error_status = 599
+    d = await stubs()
+    async with running_proxy(make_config([p1.url, p2.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        status, body = resp.status, await resp.read()
+    error = assert_openai_error(status, resp.headers, body)
+    assert status == 599 and "same way" in error["message"]
 
 
 # --------------------------------------------------------------- item 5
