@@ -98,10 +98,15 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required: a non-empty list", "messages")
+    # A client must never aim a decode at a host of its choosing. vLLM takes
+    # the params from vllm_xargs too when the body has none of its own.
     dropped = KV_PARAMS in obj
+    obj.pop(KV_PARAMS, None)
+    xargs = obj.get("vllm_xargs")
+    if isinstance(xargs, dict) and KV_PARAMS in xargs:
+        del xargs[KV_PARAMS]
+        dropped = True
     if dropped:
-        # A client must never aim a decode at a host of its choosing.
-        del obj[KV_PARAMS]
         raw = _encode(obj)
     return ClientRequest(raw, obj, model, stream, dropped)
 

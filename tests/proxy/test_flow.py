@@ -96,6 +96,22 @@ async def test_client_kv_transfer_params_never_reach_a_backend(stubs):
     assert d.bodies()[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
 
 
+async def test_client_kv_transfer_params_in_vllm_xargs_never_reach_a_backend(stubs):
+    # vLLM takes them from vllm_xargs when the body has none at the top: so
+    # on the decode-only fallback, which splices none, they would be used.
+    p, d = await stubs("error500"), await stubs()
+    config = make_config(
+        [p.url], [d.url], retry={"max_attempts": 1, "on_exhausted": "decode_only"}
+    )
+    xargs = {"kv_transfer_params": "do_remote_prefill", "other": 1}
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "vllm_xargs": xargs})
+        assert resp.status == 200, await resp.text()
+    bodies = p.bodies() + d.bodies()
+    assert len(bodies) == 2 and "kv_transfer_params" not in d.bodies()[0]
+    assert all(body["vllm_xargs"] == {"other": 1} for body in bodies)
+
+
 async def test_a_backends_cookies_never_reach_another_request(stubs):
     # Backends by name: aiohttp's default cookie jar keeps the cookies of
     # named hosts (not of IP addresses) and sends them on later requests.
