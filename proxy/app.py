@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,15 @@ async def _models(request: web.Request) -> web.Response:
 
 
 def create_app(
-    config: ProxyConfig, source: str | Path | None = None
+    config: ProxyConfig,
+    source: str | Path | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> web.Application:
     """The proxy's aiohttp application for ``config``.
 
-    ``source`` is the YAML file that SIGHUP and POST /admin/reload re-read.
+    ``source`` is the YAML file that SIGHUP and POST /admin/reload re-read;
+    ``overrides`` (section -> field -> value, from the command line) apply
+    on top of it each time.
     Run it with ``proxy.server.ProxyRunner`` (errors aiohttp answers itself
     then come in OpenAI JSON too) and ``handler_cancellation=True``, so that
     a client's disconnect cancels both legs (``proxy.cli`` does both).
@@ -136,7 +141,7 @@ def create_app(
     Raises:
         ConfigError: a key the configuration names cannot be read.
     """
-    state = ProxyState(config, None if source is None else str(source))
+    state = ProxyState(config, None if source is None else str(source), overrides)
     # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
     app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state

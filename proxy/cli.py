@@ -18,7 +18,8 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -30,6 +31,7 @@ from proxy.config import (
     config_from_urls,
     json_schema,
     load_config,
+    with_overrides,
 )
 from proxy.server import ProxyRunner
 from proxy.state import STATE
@@ -88,7 +90,23 @@ def _toy_urls(hosts: list[str] | None, ports: list[int] | None, role: str) -> li
         raise ConfigError(
             f"--{role}-hosts has {len(hosts)} entries, --{role}-ports {len(ports)}"
         )
-    return [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
+    return [
+        f"http://[{h}]:{p}" if ":" in h and not h.startswith("[") else f"http://{h}:{p}"
+        for h, p in zip(hosts, ports, strict=True)
+    ]
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The configuration the flags set (section -> field -> value); a reload
+    keeps them."""
+    overrides: dict[str, dict[str, Any]] = {}
+    if args.host is not None:
+        overrides.setdefault("server", {})["host"] = args.host
+    if args.port is not None:
+        overrides.setdefault("server", {})["port"] = args.port
+    if args.log_level is not None:
+        overrides["logging"] = {"level": args.log_level}
+    return overrides
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ProxyConfig, str | None]:
@@ -114,15 +132,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ProxyConfig, str | None]
             )
         config = config_from_urls(prefill, decode, args.model)
         source = None
-    server = config.server
-    if args.host is not None:
-        server = server.model_copy(update={"host": args.host})
-    if args.port is not None:
-        server = server.model_copy(update={"port": args.port})
-    if args.log_level is not None:
-        logging_cfg = config.logging.model_copy(update={"level": args.log_level})
-        config = config.model_copy(update={"logging": logging_cfg})
-    return config.model_copy(update={"server": server}), source
+    return with_overrides(config, overrides_from_args(args)), source
 
 
 def setup_logging(level: str) -> None:
@@ -160,9 +170,11 @@ async def serve(
     source: str | None = None,
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
-    """Serves until SIGINT/SIGTERM (or ``stop``); SIGHUP reloads ``source``."""
-    app = create_app(config, source)
+    """Serves until SIGINT/SIGTERM (or ``stop``); SIGHUP reloads ``source``,
+    with ``overrides`` (the command line's settings) on top."""
+    app = create_app(config, source, overrides)
     state = app[STATE]
     runner = ProxyRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=10
@@ -224,7 +236,7 @@ def main(argv: list[str]) -> int:
 
     try:
         with _runner() as runner:
-            runner.run(serve(config, source, ready))
+            runner.run(serve(config, source, ready, None, overrides_from_args(args)))
     except ConfigError as exc:
         print(f"kvguard proxy: configuration error:\n{exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -121,7 +122,9 @@ class InstanceConfig(_Strict):
         "record is an instance http://ADDRESS:port, re-resolved every "
         "discovery.interval_s (a headless Kubernetes Service, Consul DNS, Compose)",
     )
-    weight: float = Field(default=1.0, gt=0, description="Relative share of traffic")
+    weight: float = Field(
+        default=1.0, gt=0, le=1e6, description="Relative share of traffic"
+    )
     api_key_env: str | None = Field(
         default=None,
         description="Environment variable holding this instance's API key "
@@ -434,7 +437,7 @@ def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
     """
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -443,6 +446,52 @@ def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
         return ProxyConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source, root)) from exc
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it
+    would keep the last silently: a second ``decode:`` would drop the first)."""
+
+    def construct_mapping(
+        self, node: yaml.MappingNode, deep: bool = False
+    ) -> dict[Any, Any]:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            # Keys a merge (<<) brings may be overridden: only written ones count.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(
+                ":merge"
+            ):
+                continue
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found the key {key_node.value!r} twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def with_overrides(
+    config: ProxyConfig, overrides: Mapping[str, Mapping[str, Any]]
+) -> ProxyConfig:
+    """``config`` with the command line's settings (section -> field -> value)
+    on top; they hold across reloads too.
+
+    Raises:
+        ConfigError: an override fails its section's validation.
+    """
+    for section, values in overrides.items():
+        current = getattr(config, section)
+        try:
+            updated = type(current).model_validate({**current.model_dump(), **values})
+        except ValidationError as exc:
+            where = f"command line ({section})"
+            raise ConfigError(format_validation_error(exc, where)) from exc
+        config = config.model_copy(update={section: updated})
+    return config
 
 
 def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
@@ -455,6 +504,8 @@ def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
     return parse_config(text, str(path))
 
 
@@ -501,6 +552,8 @@ def read_secret(env: str | None, file: str | None, what: str) -> list[str]:
             text = Path(file).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from exc
+        except UnicodeDecodeError:
+            raise ConfigError(f"{what}: {file} is not UTF-8 text") from None
         for line in text.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):

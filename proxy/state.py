@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Collection, Coroutine, Iterator
+from collections.abc import Collection, Coroutine, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -27,6 +27,7 @@ from proxy.config import (
     Role,
     load_config,
     read_secret,
+    with_overrides,
 )
 from proxy.discovery import Discovery
 from proxy.ejection import Ejection, IntegrityTracker
@@ -57,8 +58,15 @@ def _instance_key(entry: InstanceConfig, auth: Auth) -> str | None:
 class ProxyState:
     """Everything the handlers share; one per application."""
 
-    def __init__(self, config: ProxyConfig, source: str | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        source: str | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.source = source
+        # The command line's settings, on top of every reloaded file too.
+        self.overrides = overrides or {}
         self.in_flight = 0  # client requests whose body has arrived
         self.models: dict[str, ModelPools] = {}
         self.metrics = ProxyMetrics(self.all_instances, lambda: self.in_flight)
@@ -180,6 +188,7 @@ class ProxyState:
             return False
         try:
             config = await asyncio.to_thread(load_config, self.source)
+            config = with_overrides(config, self.overrides)
             old_server = self.config.server
             self.apply(config.model_copy(update={"server": old_server}))
         except ConfigError as exc:

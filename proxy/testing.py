@@ -52,10 +52,12 @@ async def running_proxy(
     source: str | Path | None = None,
     host: str = "127.0.0.1",
     client_timeout_s: float = 60,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> AsyncIterator[RunningProxy]:
     """Serves ``config`` on a free port of ``host`` until the block ends.
 
-    ``source`` is the YAML file a reload re-reads. Served as ``proxy.cli``
+    ``source`` is the YAML file a reload re-reads, with ``overrides`` (the
+    command line's settings) on top. Served as ``proxy.cli``
     does (``ProxyRunner``, a client's disconnect cancels its handler).
 
     Raises:
@@ -65,7 +67,7 @@ async def running_proxy(
     """
     if not isinstance(config, ProxyConfig):
         config = ProxyConfig.model_validate(config)
-    app = create_app(config, source)
+    app = create_app(config, source, overrides)
     runner = ProxyRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -13,8 +14,15 @@ import aiohttp
 import pytest
 from proxy_helpers import expected_text
 
-from proxy.cli import GC_YOUNG_THRESHOLD, build_parser, config_from_args, serve
+from proxy.cli import (
+    GC_YOUNG_THRESHOLD,
+    build_parser,
+    config_from_args,
+    overrides_from_args,
+    serve,
+)
 from proxy.config import ConfigError, config_from_urls
+from proxy.testing import running_proxy
 from tests.support.ports import free_port
 
 
@@ -113,6 +121,37 @@ def test_toy_proxy_flags_pair_hosts_with_ports():
         )
     with pytest.raises(ConfigError, match="no backends"):
         config_from_args(build_parser().parse_args([]))
+    args = ["--prefiller-hosts", "::1", "--decoder-hosts", "::1"]
+    config, _ = config_from_args(build_parser().parse_args(args))
+    assert config.models["*"].prefill.instances[0].url == "http://[::1]:8100"
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_flag_out_of_range_is_a_config_error(port):
+    args = ["--prefill", "http://p:1", "--decode", "http://d:2", "--port", port]
+    with pytest.raises(ConfigError, match=r"command line \(server\): port"):
+        config_from_args(build_parser().parse_args(args))
+
+
+async def test_a_reload_keeps_what_the_command_line_set(stubs, tmp_path):
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        f"models:\n  m:\n    prefill: {{instances: [{{url: '{p.url}'}}]}}\n"
+        f"    decode: {{instances: [{{url: '{d.url}'}}]}}\n"
+        "logging: {level: warning}\n"
+    )
+    args = build_parser().parse_args(["--config", str(path), "--log-level", "debug"])
+    config, source = config_from_args(args)
+    overrides = overrides_from_args(args)
+    level = logging.getLogger("kvguard.proxy").level
+    try:
+        async with running_proxy(config, source, overrides=overrides) as px:
+            assert await px.state.reload()
+            assert px.state.config.logging.level == "debug"
+            assert logging.getLogger("kvguard.proxy").level == logging.DEBUG
+    finally:
+        logging.getLogger("kvguard.proxy").setLevel(level)
 
 
 async def test_toy_proxy_flags_start_a_working_proxy(stubs):

@@ -13,6 +13,7 @@ from proxy.config import (
     json_schema,
     load_config,
     parse_config,
+    read_secret,
 )
 from tests.support import REPO
 
@@ -75,6 +76,11 @@ def test_a_valid_file_loads_with_defaults(tmp_path):
             "required field missing",
         ),
         (GOOD + "timeouts:\n  connect_s: 0\n", "timeouts.connect_s", "greater than 0"),
+        (
+            GOOD.replace("weight: 2", "weight: .inf"),
+            "models.m.prefill.instances.0.weight",
+            "less than or equal to 1000000",
+        ),
     ],
 )
 def test_config_errors_name_file_line_field_and_why(tmp_path, text, field, why):
@@ -109,6 +115,29 @@ def test_yaml_syntax_and_unreadable_files_are_config_errors(tmp_path):
         parse_config("models: [", "f.yaml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_key_written_twice_in_a_mapping_is_a_config_error():
+    text = GOOD.replace(
+        "    decode:\n",
+        "    decode:\n      policy: round_robin\n      policy: random\n",
+    )
+    with pytest.raises(ConfigError, match="found the key 'policy' twice"):
+        parse_config(text, "x.yaml")
+    # Keys a merge brings may still be overridden.
+    merged = GOOD.replace("retry:\n", "retry:\n  <<: {max_attempts: 2}\n")
+    assert parse_config(merged).retry.max_attempts == 4
+
+
+def test_files_that_are_not_utf8_are_config_errors(tmp_path):
+    config = tmp_path / "proxy.yaml"
+    config.write_bytes(b"# caf\xe9\n" + GOOD.encode())
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(config)
+    keys = tmp_path / "keys"
+    keys.write_bytes(b"# cl\xe9s\nk1\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        read_secret(None, str(keys), "auth.api_keys")
 
 
 def test_no_yaml_config_from_urls():
