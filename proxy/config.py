@@ -44,7 +44,7 @@ def normalize_url(value: str) -> str:
 
     Raises:
         ValueError: not an absolute http(s) URL with a host, or it carries a
-            query or fragment.
+            query, fragment or credentials, or ends in ``/v1``.
     """
     url = URL(value.strip())
     if url.scheme not in ("http", "https") or not url.host:
@@ -53,6 +53,14 @@ def normalize_url(value: str) -> str:
         )
     if url.query_string or url.fragment:
         raise ValueError(f"must not carry a query or fragment, got {value!r}")
+    if url.user is not None or url.password is not None:
+        # URLs are metric labels and log fields: keys go in api_key_env/_file.
+        raise ValueError("must not carry credentials: give api_key_env or api_key_file")
+    if url.path.rstrip("/").endswith("/v1"):
+        raise ValueError(
+            f"is the server's base URL, without /v1 (the proxy adds the "
+            f"OpenAI paths), got {value!r}"
+        )
     return str(url).rstrip("/")
 
 

@@ -67,6 +67,7 @@ class ProxyState:
         self.source = source
         # The command line's settings, on top of every reloaded file too.
         self.overrides = overrides or {}
+        self._reload_lock = asyncio.Lock()
         self.in_flight = 0  # client requests whose body has arrived
         self.models: dict[str, ModelPools] = {}
         self.metrics = ProxyMetrics(self.all_instances, lambda: self.in_flight)
@@ -182,12 +183,20 @@ class ProxyState:
         return Pool(role, cfg.policy, instances)
 
     async def reload(self) -> bool:
-        """Re-reads the configuration file; keeps the old one on error."""
+        """Re-reads the configuration file; keeps the old one on error.
+
+        Reloads run one at a time: two SIGHUPs never apply an older read of
+        the file after a newer one.
+        """
         if self.source is None:
             log.warning("reload requested, but the proxy was started without --config")
             return False
+        async with self._reload_lock:
+            return await self._reload(self.source)
+
+    async def _reload(self, source: str) -> bool:
         try:
-            config = await asyncio.to_thread(load_config, self.source)
+            config = await asyncio.to_thread(load_config, source)
             config = with_overrides(config, self.overrides)
             old_server = self.config.server
             self.apply(config.model_copy(update={"server": old_server}))

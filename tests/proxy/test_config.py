@@ -77,6 +77,16 @@ def test_a_valid_file_loads_with_defaults(tmp_path):
         ),
         (GOOD + "timeouts:\n  connect_s: 0\n", "timeouts.connect_s", "greater than 0"),
         (
+            GOOD.replace("http://10.0.0.2:8200", "http://10.0.0.2:8200/v1"),
+            "models.m.decode.instances.0.url",
+            "without /v1",
+        ),
+        (
+            GOOD.replace("http://10.0.0.2:8200", "http://me:secret@10.0.0.2:8200"),
+            "models.m.decode.instances.0.url",
+            "must not carry credentials",
+        ),
+        (
             GOOD.replace("weight: 2", "weight: .inf"),
             "models.m.prefill.instances.0.weight",
             "less than or equal to 1000000",

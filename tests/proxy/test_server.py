@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import threading
 import time
 
 import msgspec
 import pytest
 from proxy_helpers import StubEngine, expected_text, make_config
 
-from proxy.config import ConfigError, load_config, parse_config
+import proxy.state
+from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
 from proxy.testing import running_proxy
 from tests.support.ports import free_port
 
@@ -346,6 +348,39 @@ models:
         assert not await px.state.reload()
         assert inst.weight == 1 and px.state.find(p.url) == [inst]
         assert not px.state.find("http://127.0.0.1:9")
+
+
+async def test_reloads_apply_in_the_order_they_were_asked(stubs, tmp_path, monkeypatch):
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+
+    def write(weight: int) -> None:
+        path.write_text(
+            f"models: {{'*': {{prefill: {{instances: [{{url: '{p.url}', "
+            f"weight: {weight}}}]}}, decode: {{instances: [{{url: '{d.url}'}}]}}}}}}\n"
+        )
+
+    read, release = threading.Event(), threading.Event()
+
+    def slow_first_read(source: str) -> ProxyConfig:
+        config = load_config(source)
+        if not read.is_set():
+            read.set()
+            release.wait(5)  # the second reload reads the newer file meanwhile
+        return config
+
+    write(1)
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        monkeypatch.setattr(proxy.state, "load_config", slow_first_read)
+        write(2)
+        first = asyncio.create_task(px.state.reload())
+        await asyncio.to_thread(read.wait, 5)
+        write(3)
+        second = asyncio.create_task(px.state.reload())
+        await asyncio.sleep(0.2)
+        release.set()
+        assert await first and await second
+        assert px.state.find(p.url)[0].weight == 3
 
 
 async def test_turning_health_checks_off_readmits_instances_probes_took_out(
