@@ -92,8 +92,14 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
         raise BadRequest("'stream' must be a boolean", "stream")
     if route is Route.COMPLETIONS:
         prompt = obj.get("prompt")
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise BadRequest("'prompt' is required: a string or a list", "prompt")
+        embeds = obj.get("prompt_embeds")
+        if (not isinstance(prompt, (str, list)) or not prompt) and (
+            not isinstance(embeds, (str, list)) or not embeds
+        ):
+            raise BadRequest(
+                "'prompt' is required (a string or a list), or 'prompt_embeds'",
+                "prompt",
+            )
     else:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -219,7 +225,11 @@ def prefix_key(req: ClientRequest, route: Route, size: int) -> bytes:
     Raises:
         BadRequest: the prompt is nested too deeply to encode.
     """
-    value = req.obj.get("prompt" if route is Route.COMPLETIONS else "messages")
+    obj = req.obj
+    if route is Route.CHAT:
+        value = obj.get("messages")
+    else:
+        value = obj.get("prompt") or obj.get("prompt_embeds")
     if isinstance(value, str):
         return value.encode("utf-8", "surrogatepass")[:size]
     return _encode(value)[:size]

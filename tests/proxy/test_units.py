@@ -464,6 +464,15 @@ def test_prefix_key_reads_the_prompt_or_messages():
     assert prefix_key(chat, Route.CHAT, 100).startswith(b'[{"role":"user"')
 
 
+def test_a_completion_may_give_prompt_embeds_instead_of_a_prompt():
+    # As vLLM takes it: one of the two, non-empty.
+    req = parse_request(b'{"prompt_embeds": "QUJDREVG"}', Route.COMPLETIONS)
+    assert prefix_key(req, Route.COMPLETIONS, 4) == b"QUJD"
+    for raw in (b'{"prompt_embeds": []}', b'{"prompt": "", "prompt_embeds": null}'):
+        with pytest.raises(BadRequest, match="'prompt_embeds'"):
+            parse_request(raw, Route.COMPLETIONS)
+
+
 def test_router_steers_prefills_away_from_a_pair_ejected_with_the_only_decode():
     clock = Clock()
     t = tracker(clock, pair_failures=2)
