@@ -1015,8 +1015,10 @@ class Flow:
                     now = time.monotonic()
                     gap.observe(now - last)
                     last = now
-                    if _upstream_aborted(chunk) or _upstream_aborted(
-                        tail + chunk[:_TAIL]
+                    if (b'"abort"' in chunk and _upstream_aborted(chunk)) or (
+                        # A read that ended mid-event may have split the marker.
+                        not tail.endswith(b"\n\n")
+                        and _upstream_aborted(tail + chunk[:_TAIL])
                     ):
                         aborted = True
                     tail = (
