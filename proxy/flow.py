@@ -129,6 +129,7 @@ class _StreamEnd:
 
     done: bool  # the decode sent [DONE] (held back: an error must precede it)
     error: str | None  # why the stream is cut short, None when it is whole
+    expired: bool = False  # cut short by the request's total timeout
 
 
 # ------------------------------------------------------- request, attempt
@@ -155,10 +156,16 @@ class _Request:
     assemble: bool = False  # a stream decoded for a non-streaming client
     outcome: str | None = None
     answered: list[Failure] = field(default_factory=list)
-    served: bool = False  # a decode gave data: the request itself can be served
+    # An attempt answered the client in full: the request itself can be served.
+    served: bool = False
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        """The total timeout has run out: a leg that timed out then says
+        nothing about its instance."""
+        return time.monotonic() >= self.deadline
 
 
 @dataclass(slots=True)
@@ -451,8 +458,13 @@ class Flow:
         try:
             for number in range(cfg.retry.max_attempts):
                 if failure is not None:
-                    st.metrics.retries.labels(failure.reason).inc()
-                    await asyncio.sleep(self._backoff(number, cfg))
+                    if failure.reason == _TOTAL_TIMEOUT or req.remaining() <= 0:
+                        break
+                    await asyncio.sleep(
+                        min(self._backoff(number, cfg), req.remaining())
+                    )
+                    if req.remaining() <= 0:
+                        break
                 prefill = st.router.pick(
                     pools.prefill,
                     req.key,
@@ -469,6 +481,8 @@ class Flow:
                 if decode is None:
                     reason = "no healthy decode instance"
                     break
+                if failure is not None:  # counted once it is really made
+                    st.metrics.retries.labels(failure.reason).inc()
                 attempt_id = (
                     req.backend_id if number == 0 else f"{req.backend_id}-retry{number}"
                 )
@@ -492,18 +506,25 @@ class Flow:
                 avoid_p.add(prefill)
                 if result.role == "decode":
                     avoid_d.add(decode)
-            if cfg.retry.on_exhausted == "decode_only":
-                if failure is not None:
-                    st.metrics.retries.labels(failure.reason).inc()
-                result = await self._decode_only(req)
+            expired = req.remaining() <= 0 or (
+                failure is not None and failure.reason == _TOTAL_TIMEOUT
+            )
+            if cfg.retry.on_exhausted == "decode_only" and not expired:
+                result = await self._decode_only(req, avoid_d, failure)
                 if not isinstance(result, Failure):
                     return result
                 if result.answered:
                     req.answered.append(result)
                 reason = f"decode-only fallback failed: {result.message}"
+                expired = result.reason == _TOTAL_TIMEOUT
         except asyncio.CancelledError:
             self._finish(req, "client_disconnected")
             raise
+        if expired:
+            self._finish(req, "timeout")
+            return error_response(
+                504, "The request exceeded its total timeout", req.request_id
+            )
         self._finish(req, "failed")
         return error_response(
             503, f"No instance could serve the request: {reason}", req.request_id
@@ -517,13 +538,18 @@ class Flow:
         )
         return random.uniform(ceiling / 2, ceiling)
 
-    async def _decode_only(self, req: _Request) -> web.StreamResponse | Failure:
-        """Retries exhausted: the original body to a decode, which prefills locally."""
+    async def _decode_only(
+        self, req: _Request, avoid: set[Instance], after: Failure | None
+    ) -> web.StreamResponse | Failure:
+        """Retries exhausted: the original body to a decode, which prefills
+        locally; one not tried yet when there is one."""
         decode = self.state.router.pick(
-            req.pools.decode, req.key, probing=req.config.health.enabled
+            req.pools.decode, req.key, avoid, probing=req.config.health.enabled
         )
         if decode is None:
             return Failure("no_decode", "no healthy decode instance", "decode")
+        if after is not None:
+            self.state.metrics.retries.labels(after.reason).inc()
         attempt = Attempt(f"{req.backend_id}-decode-only", None, None, decode)
         return await self._attempt(req, attempt)
 
@@ -538,6 +564,10 @@ class Flow:
         the client left), the prefill is asked to free it.
         """
         decode = attempt.decode
+        # Reserved from now, prefill included: a burst of requests whose
+        # prefills are running must not all pick the same idle decode.
+        decode.in_flight += 1
+        reserved = True
         try:
             if attempt.prefill is not None:
                 prefilled = await self._prefill(req, attempt)
@@ -550,13 +580,10 @@ class Flow:
                 attempt.kv_params = prefilled.kv_params
             result: Answer | Passthrough | Failure
             pulled = False
-            decode.in_flight += 1
             try:
                 remaining = req.remaining()
                 if remaining <= 0:
-                    result = Failure(
-                        "total_timeout", "total timeout exceeded", "decode"
-                    )
+                    result = Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
                 elif not (req.body.stream or req.assemble):
                     result = await self._decode_json(req, attempt, remaining)
                     if isinstance(result, Answer):
@@ -574,10 +601,15 @@ class Flow:
                 pulled = isinstance(result, Answer)
             finally:
                 decode.in_flight -= 1
+                reserved = False
                 if not pulled and attempt.prefill is not None and attempt.loads_kv:
                     self._abort(attempt.prefill, attempt.id, attempt.kv_params)
+            if isinstance(result, Answer) and result.outcome == "ok":
+                req.served = True
             return self._result(req, attempt, result)
         finally:
+            if reserved:
+                decode.in_flight -= 1
             self._log(attempt, req)
 
     def _result(
@@ -614,9 +646,7 @@ class Flow:
             attempt_log.info("%s", _encode_json(entry).decode())
 
     def _decoded(self, req: _Request, attempt: Attempt) -> None:
-        """The decode gave data: it is healthy, any KV it loaded was clean,
-        and the request can be served."""
-        req.served = True
+        """The decode gave data: it is healthy, and any KV it loaded was clean."""
         self.state.health.note(attempt.decode, ok=True)
         if attempt.prefill is not None and attempt.loads_kv:
             for ejection in self.state.tracker.record_success(
@@ -637,7 +667,7 @@ class Flow:
         remaining = req.remaining()
         if remaining < req.config.timeouts.prefill_s:
             if remaining <= 0:
-                return Failure("total_timeout", "total timeout exceeded", "prefill")
+                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "prefill")
             timeout = aiohttp.ClientTimeout(
                 total=remaining, sock_connect=req.config.timeouts.connect_s
             )
@@ -658,6 +688,9 @@ class Flow:
         except ReplyTooLarge as exc:
             return self._answered("prefill_reply_too_large", f"prefill {exc}", prefill)
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, TimeoutError) and req.expired():
+                self._abort(prefill, attempt.id, None)  # it may still be prefilling
+                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "prefill")
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
             st.metrics.upstream_failures.labels("prefill", prefill.url, reason).inc()
@@ -721,6 +754,9 @@ class Flow:
                 "decode_reply_too_large", f"decode {exc}", decode, attempt.prefill
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, TimeoutError) and req.expired():
+                self._abort(decode, attempt.id, None)  # it may still be decoding
+                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
             failure = self._decode_transport_failure(decode, exc, timeout)
             if failure.reason == "decode_timeout":  # it may still be decoding
                 self._abort(decode, attempt.id, None)
@@ -782,6 +818,9 @@ class Flow:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if resp is not None:
                 resp.close()
+            if isinstance(exc, TimeoutError) and req.expired():
+                self._abort(decode, attempt.id, None)
+                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
             if isinstance(exc, TimeoutError) and not isinstance(
                 exc, aiohttp.ClientError
             ):
@@ -858,25 +897,23 @@ class Flow:
                         break
                     size += len(data)
                     if size > limit:
-                        failure = Failure(
+                        failure = self._answered(
                             "decode_reply_too_large",
                             f"decode reply exceeds {limit} bytes",
-                            "decode",
-                            answered=True,
-                            instance=decode,
-                            prefill=attempt.prefill,
+                            decode,
+                            attempt.prefill,
                         )
                         break
                     events = reader.feed(data)
                     now = time.monotonic()
                     timer.reschedule(loop.time() + min(idle, req.deadline - now))
         except TimeoutError:
-            failure = Failure(
-                "decode_timeout",
-                "request exceeded its total timeout"
-                if time.monotonic() >= req.deadline
-                else f"decode stream idle for {idle:.3g}s",
-                "decode",
+            failure = (
+                Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
+                if req.expired()
+                else Failure(
+                    "decode_timeout", f"decode stream idle for {idle:.3g}s", "decode"
+                )
             )
         except aiohttp.ClientError as exc:
             failure = Failure(
@@ -904,7 +941,10 @@ class Flow:
                 "decode_aborted", "decode aborted the request mid-stream", "decode"
             )
         if failure is not None:
-            if not failure.answered and failure.reason != "kv_integrity":
+            if not failure.answered and failure.reason not in (
+                "kv_integrity",
+                _TOTAL_TIMEOUT,
+            ):
                 # A broken connection, a stall or an abort says something
                 # about the instance: it counts now.
                 st.health.note(decode, ok=False)
@@ -953,12 +993,13 @@ class Flow:
                     outcome = "ok"
                     if end.error is not None:
                         outcome = "stream_error"
-                        st.health.note(decode, ok=False)
-                        st.metrics.upstream_failures.labels(
-                            "decode", decode.url, "stream_broken"
-                        ).inc()
+                        if not end.expired:  # the request's own deadline
+                            st.health.note(decode, ok=False)
+                            st.metrics.upstream_failures.labels(
+                                "decode", decode.url, "stream_broken"
+                            ).inc()
                         attempt.error = end.error
-                        last_event = error_event(502, end.error)
+                        last_event = error_event(504 if end.expired else 502, end.error)
                     # The last event and the end of the chunked body in one write.
                     sent = await _write(out, last_event, eof=True)
                     if not sent and end.error is None:
@@ -1037,11 +1078,9 @@ class Flow:
                             loop.time() + min(idle + slack, req.deadline - now)
                         )
         except TimeoutError:
-            error = (
-                "request exceeded its total timeout"
-                if time.monotonic() >= req.deadline
-                else f"decode stream idle for {idle:.3g}s"
-            )
+            if req.expired():
+                return _StreamEnd(done, _TOTAL_TIMEOUT_MESSAGE, expired=True)
+            error = f"decode stream idle for {idle:.3g}s"
         if error is None and aborted:
             error = "decode aborted the request mid-stream"
         if error is None and not done and not tail.rstrip().endswith(DONE):
@@ -1144,6 +1183,8 @@ class Flow:
         e2e.observe(time.monotonic() - req.started)
 
 
+_TOTAL_TIMEOUT = "total_timeout"
+_TOTAL_TIMEOUT_MESSAGE = "request exceeded its total timeout"
 _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 _MAX_CLIENT_ID = 256
 # Bytes of a stream kept across reads: twice the abort marker as vLLM writes it.

@@ -36,10 +36,14 @@ def least_inflight(cands: Sequence[Instance], key: bytes) -> Instance:
 
 
 def power_of_two(cands: Sequence[Instance], key: bytes) -> Instance:
-    """Two weighted random choices, the less loaded wins."""
+    """Two distinct weighted random choices, the less loaded wins."""
     if len(cands) == 1:
         return cands[0]
-    a, b = random.choices(cands, weights=[c.weight for c in cands], k=2)
+    weights = [c.weight for c in cands]
+    (i,) = random.choices(range(len(cands)), weights=weights)
+    weights[i] = 0.0  # the second is another instance
+    (j,) = random.choices(range(len(cands)), weights=weights)
+    a, b = cands[i], cands[j]
     return a if a.load() <= b.load() else b
 
 

@@ -1,9 +1,10 @@
 """Choosing the instances of one attempt.
 
-Preference, best first: usable, not ejected, not yet tried by this request,
-pair not ejected; then tried ones; then ignoring the pair; then ejected ones
-(a pool whose every instance is ejected keeps serving: checksums still guard
-each load). Unhealthy, drained or removed instances are never chosen.
+Preference, best first: usable, not ejected, pair not ejected; then
+ignoring the pair; then ejected ones (a pool whose every instance is ejected
+keeps serving: checksums still guard each load). Within each, one this
+request has not tried yet comes before a tried one. Unhealthy, drained or
+removed instances are never chosen.
 """
 
 from __future__ import annotations
@@ -75,12 +76,11 @@ class Router:
                     for i in fresh
                     if any(not self.tracker.pair_ejected(i, d) for d in others)
                 ]
-        for tier in (
-            [i for i in paired if i not in avoid] if avoid else paired,
-            paired,
-            fresh,
-            usable,
-        ):
+        for tier in (paired, fresh, usable):
+            if avoid:
+                untried = [i for i in tier if i not in avoid]
+                if untried:
+                    return choose(untried, key)
             if tier:
                 return choose(tier, key)
         return None  # unreachable: ``usable`` is non-empty

@@ -340,7 +340,11 @@ async def stubs() -> AsyncIterator[Callable[..., Any]]:
 
 
 def make_config(
-    prefill: list[str], decode: list[str], model: str = "*", **sections: Any
+    prefill: list[str],
+    decode: list[str],
+    model: str = "*",
+    decode_policy: str = "round_robin",
+    **sections: Any,
 ) -> ProxyConfig:
     """A config for one model, health probes slowed so tests control them."""
     sections.setdefault("health", {"interval_s": 30})
@@ -349,7 +353,10 @@ def make_config(
             "models": {
                 model: {
                     "prefill": {"instances": [{"url": u} for u in prefill]},
-                    "decode": {"instances": [{"url": u} for u in decode]},
+                    "decode": {
+                        "policy": decode_policy,
+                        "instances": [{"url": u} for u in decode],
+                    },
                 }
             },
             **sections,
