@@ -19,7 +19,7 @@ import copy
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from engine_patch.config import KVChecksumConfig
 
@@ -35,6 +35,11 @@ DEFAULT_INNER: dict[str, Any] = {"kv_connector": "NixlConnector"}
 # Outer fields the inner connector's config inherits unless it sets them.
 _INHERITED = ("engine_id", "kv_buffer_device", "kv_role", "kv_port",
               "enable_permute_local_kv", "kv_load_failure_policy")  # fmt: skip
+
+
+# Of those, the ones vLLM's scheduler reads from the outer config: an inner
+# value that differs would be ignored by it, or contradict it.
+_OUTER_ONLY = ("kv_role", "kv_load_failure_policy")
 
 
 class KVGuardConfigError(ValueError):
@@ -60,9 +65,10 @@ class ChecksumSettings(_Settings):
     cache is registered (into ``$VLLM_CACHE_ROOT/kvguard``).
     """
 
-    enabled: bool = True
-    fail_closed: bool = True
-    compile: bool = False
+    # Strict: "off" or 0 must not turn checksums off without a word.
+    enabled: StrictBool = True
+    fail_closed: StrictBool = True
+    compile: StrictBool = False
 
 
 class FaultSettings(_Settings):
@@ -198,6 +204,13 @@ def inner_transfer_config(
             f"inner has fields a KVTransferConfig does not: {', '.join(unknown)}"
         )
     values = {name: getattr(kv_transfer_config, name) for name in _INHERITED}
+    for name in _OUTER_ONLY:
+        if name in settings.inner and settings.inner[name] != values[name]:
+            raise KVGuardConfigError(
+                f"inner.{name} is {settings.inner[name]!r} but {name} is "
+                f"{values[name]!r}: vLLM's scheduler acts on the outer one, so "
+                "the two must agree (leave it out of inner)"
+            )
     values.update(copy.deepcopy(settings.inner))
     try:
         return KVTransferConfig(**values)

@@ -228,15 +228,16 @@ class KVGuardWorker:
         """Checksum the loads the inner connector finished and, fail-closed,
         hold them; release those with verdicts (a failed verdict as a failed
         load). Edits ``results`` in place."""
-        if self._checksums is not None and self._loads:
-            done = [
-                req_id
-                for req_id in results.finished_recving - results.failed_recving
-                if req_id in self._loads
-            ]
+        if self._checksums is not None and (self._loads or self._hold):
+            finished = results.finished_recving - results.failed_recving
+            done = [req_id for req_id in finished if req_id in self._loads]
             for req_id in results.failed_recving:
-                # The inner connector failed it: vLLM handles it, unchecked.
-                self._loads.pop(req_id, None)
+                # The inner connector failed it here: vLLM handles it,
+                # unchecked. Still reported, so that the scheduler's count of
+                # reports completes (its verdict: unverified) and another
+                # rank that loaded it and holds it lets it go.
+                if self._loads.pop(req_id, None) is not None:
+                    self._finished_loads.append(req_id)
             if done:
                 loads = {req_id: self._loads.pop(req_id) for req_id in done}
                 self.before_checksum(loads)
@@ -245,14 +246,19 @@ class KVGuardWorker:
                 self._busy = True
                 self._timed(lambda: checksums.on_loads_finished(done))
                 self._finished_loads.extend(done)
-                if self._hold:
-                    # Without a hold the load was checksummed before any
-                    # later step can write its blocks, and the scheduler
-                    # verifies it in the step that reports it (or, fail-open,
-                    # it goes on whatever the comparison finds).
-                    results.finished_recving.difference_update(done)
-                    now = time.perf_counter()
-                    self._held.update(dict.fromkeys(done, now))
+            if self._hold and finished:
+                # Every finished load waits for its verdict, checksummed or
+                # not (one whose blocks this worker never heard of is
+                # unverified, or not KVGuard's: the scheduler knows which).
+                # Without a hold a load was checksummed before any later
+                # step can write its blocks, and the scheduler verifies it
+                # in the step that reports it (or, fail-open, it goes on
+                # whatever the comparison finds).
+                unknown = finished.difference(done, self._held)
+                self._finished_loads.extend(unknown)
+                results.finished_recving.difference_update(finished)
+                now = time.perf_counter()
+                self._held.update(dict.fromkeys(finished, now))
         if self._checksums is not None and finished_req_ids:
             self._checksums.request_finished(finished_req_ids)
         if not self._held:
@@ -268,9 +274,15 @@ class KVGuardWorker:
         """Hook for fault injection: the loads about to be checksummed."""
 
     def take_report(self) -> WorkerReport | None:
-        """The step's checksums and checksummed loads, if any."""
+        """The step's checksums and finished loads, if any.
+
+        The step's sends are checksummed first if ``wait_for_save`` has not
+        run yet: with speculative decoding vLLM builds the report before it
+        (after the target model's forward, which made the prompt's KV final).
+        """
         if self._checksums is None:
             return None
+        self.after_forward()
         if self._busy:
             record = self._timed(self._checksums.take_record)
         else:

@@ -81,6 +81,9 @@ def test_inner_config_inherits_role_engine_and_failure_policy() -> None:
         ),
         ({"checksums": {}}, False, "unknown key checksums"),
         ({"kv_checksums": {"enabled": "maybe"}}, False, "kv_checksums.enabled"),
+        # Strict: no word may switch checksums off.
+        ({"kv_checksums": {"enabled": "off"}}, False, "kv_checksums.enabled"),
+        ({"kv_checksums": {"fail_closed": 0}}, False, "kv_checksums.fail_closed"),
         ({"inner": {}}, False, "inner.kv_connector must name the real connector"),
         (
             {"inner": {"kv_connector": "KVGuardConnector"}},
@@ -112,6 +115,28 @@ def test_bad_extra_config_is_a_clear_error(
         parse_settings(transfer_config(extra), fault_injection=fault_injection)
     assert str(error.value).startswith("Invalid KVGuard config in --kv-transfer-config")
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("kv_role", "kv_producer"), ("kv_load_failure_policy", "recompute")],
+)
+def test_inner_cannot_disagree_with_what_vllms_scheduler_reads(
+    field: str, value: str
+) -> None:
+    outer = transfer_config(
+        {"inner": {"kv_connector": "NixlConnector", field: value}},
+        kv_role="kv_consumer",
+        kv_load_failure_policy="fail",
+    )
+    with pytest.raises(KVGuardConfigError, match=f"inner.{field} is"):
+        inner_transfer_config(outer, parse_settings(outer))
+    agreeing = transfer_config(
+        {"inner": {"kv_connector": "NixlConnector", field: getattr(outer, field)}},
+        kv_role="kv_consumer",
+        kv_load_failure_policy="fail",
+    )
+    inner_transfer_config(agreeing, parse_settings(agreeing))
 
 
 def test_inner_fields_a_transfer_config_lacks_are_a_clear_error() -> None:
