@@ -103,8 +103,26 @@ class KVGuardSettings(_Settings):
     fault_injection: FaultSettings | None = None
 
     def checksum_config(self, vllm_config: VllmConfig) -> KVChecksumConfig:
-        """The engine_patch config of this engine's checksums."""
+        """The engine_patch config of this engine's checksums.
+
+        Raises:
+            KVGuardConfigError: If checksums are on and the engine shards
+                its KV by context (prefill or decode context parallelism):
+                workers' sums are per tensor-parallel and pipeline rank.
+        """
         parallel = vllm_config.parallel_config
+        contexts = {
+            "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
+            "decode_context_parallel_size": parallel.decode_context_parallel_size,
+        }
+        sharded = [f"{name}={size}" for name, size in contexts.items() if size > 1]
+        if sharded and self.kv_checksums.enabled:
+            raise KVGuardConfigError(
+                f"{', '.join(sharded)}: KVGuard's checksums do not support "
+                "context parallelism (its workers sum KV per tensor-parallel "
+                "and pipeline rank); run without it, or set "
+                "kv_checksums.enabled to false"
+            )
         return KVChecksumConfig(
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_steps import vllm_config
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
@@ -137,6 +138,18 @@ def test_inner_cannot_disagree_with_what_vllms_scheduler_reads(
         kv_load_failure_policy="fail",
     )
     inner_transfer_config(agreeing, parse_settings(agreeing))
+
+
+@pytest.mark.parametrize(
+    "field", ["prefill_context_parallel_size", "decode_context_parallel_size"]
+)
+def test_context_parallelism_is_refused_while_checksums_are_on(field: str) -> None:
+    config = vllm_config("kv_consumer")
+    setattr(config.parallel_config, field, 2)
+    with pytest.raises(KVGuardConfigError, match=f"{field}=2"):
+        parse_settings(transfer_config({})).checksum_config(config)
+    off = parse_settings(transfer_config({"kv_checksums": {"enabled": False}}))
+    assert not off.checksum_config(config).enabled
 
 
 def test_inner_fields_a_transfer_config_lacks_are_a_clear_error() -> None:

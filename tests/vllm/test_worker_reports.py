@@ -114,7 +114,9 @@ def run_step(
             else KVGuardWorkerMetadata(None, [report]),
         )
         per_rank.append(shipped(runner_output(out, output)))
-    sched.update_from_output(out, aggregator.aggregate(per_rank))
+    merged = aggregator.aggregate(per_rank)
+    assert merged is not None
+    sched.update_from_output(out, merged)
     return set(out.num_scheduled_tokens)
 
 
@@ -144,7 +146,9 @@ def test_a_load_one_rank_failed_still_gets_a_verdict(fail_closed: bool) -> None:
     # of it left behind on either side.
     assert "r1" not in sched.requests
     assert not workers[1]._held
-    assert not sched.connector._scheduler._loads.reported
+    connector = sched.connector
+    assert isinstance(connector, KVGuardConnector) and connector._scheduler
+    assert not connector._scheduler._loads.reported
 
 
 def test_a_finished_load_a_worker_was_not_told_of_waits_for_its_verdict() -> None:
