@@ -19,6 +19,7 @@ needs no cluster credentials and works the same outside Kubernetes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Iterator
@@ -72,6 +73,8 @@ class Discovery:
         self._wake = asyncio.Event()
         # Instances this module drained because their address left DNS.
         self._draining: set[Instance] = set()
+        # Names with metric series: dropped once no entry names them.
+        self._named: set[str] = set()
         registry = state.metrics.registry
         self.lookups = Counter(
             "kvguard_proxy_discovery_lookups",
@@ -132,6 +135,8 @@ class Discovery:
     async def refresh(self) -> None:
         """One round: resolve every distinct name, then reconcile every pool."""
         names = {entry.dns for _, _, entry in self._entries() if entry.dns}
+        self._forget_names(self._named - names)
+        self._named = names
         if not names:
             self._reap()
             return
@@ -149,6 +154,18 @@ class Discovery:
                     if inst.discovered_by == entry.dns and not inst.healthy:
                         self.state.spawn(self.state.health.probe_instance(inst))
         self._reap()
+
+    def _forget_names(self, gone: set[str]) -> None:
+        """Drops the metric series of names no entry has any more."""
+        for name in gone:
+            for metric, labels in (
+                (self.addresses, [(name,)]),
+                (self.lookups, [(name, "ok"), (name, "error")]),
+            ):
+                for values in labels:
+                    # Absent if never looked up, or never with that outcome.
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*values)
 
     async def _current_resolver(self) -> AbstractResolver:
         config = self.state.config.discovery

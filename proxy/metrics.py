@@ -156,6 +156,20 @@ class ProxyMetrics:
             )
         child.inc()
 
+    def forget_instance(self, role: str, url: str) -> None:
+        """Drops the series of an instance that left (reload, admin, DNS):
+        under DNS churn they would otherwise grow without bound."""
+
+        def own(values: tuple[str, ...]) -> bool:
+            return values[:2] == (role, url)
+
+        column = 0 if role == "prefill" else 1
+        _remove(self.upstream_failures, ("role", "instance", "reason"), own)
+        _remove(self.ejections, ("role", "instance", "kind"), own)
+        _remove(
+            self.integrity_failures, ("prefill", "decode"), lambda v: v[column] == url
+        )
+
     def route_histograms(self, route: str) -> tuple[Histogram, Histogram]:
         """(ttft, e2e) children for ``route``, cached: labels() is not free."""
         pair = self._route_children.get(route)
@@ -165,3 +179,20 @@ class ProxyMetrics:
                 self.e2e.labels(route),
             )
         return pair
+
+
+def _remove(
+    counter: Counter,
+    names: tuple[str, ...],
+    matches: Callable[[tuple[str, ...]], bool],
+) -> None:
+    """Removes ``counter``'s series (label values in ``names`` order) that
+    ``matches``."""
+    series = {
+        tuple(sample.labels[name] for name in names)
+        for metric in counter.collect()
+        for sample in metric.samples
+    }
+    for values in series:
+        if matches(values):
+            counter.remove(*values)

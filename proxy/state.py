@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Collection, Coroutine, Iterator, Mapping
+from collections.abc import Collection, Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -112,10 +112,10 @@ class ProxyState:
                 self._pool(name, "prefill", model.prefill, keys, old, kept),
                 self._pool(name, "decode", model.decode, keys, old, kept),
             )
-        for inst in old.values():
-            if inst not in kept:
-                inst.removed = True
-                self.tracker.forget(inst)
+        gone = [inst for inst in old.values() if inst not in kept]
+        for inst in gone:
+            inst.removed = True
+            self.tracker.forget(inst)
         for inst in kept:
             if inst.discovered_by is None:
                 # Configured by url now, though discovery may have drained it.
@@ -127,6 +127,7 @@ class ProxyState:
         self.config = config
         self.auth = auth
         self.models = models
+        self._forget_series(gone)
         self.tracker.config = config.ejection
         t = config.timeouts
         self.prefill_timeout = aiohttp.ClientTimeout(
@@ -217,6 +218,14 @@ class ProxyState:
         for inst in gone:
             inst.removed = True
             self.tracker.forget(inst)
+        self._forget_series(gone)
+
+    def _forget_series(self, gone: Iterable[Instance]) -> None:
+        """Drops the metric series of instances whose URL no pool of their
+        role lists any more."""
+        listed = {(i.role, i.url) for i in self.all_instances()}
+        for role, url in {(i.role, i.url) for i in gone} - listed:
+            self.metrics.forget_instance(role, url)
 
     def pools_for(self, model: str | None) -> ModelPools | None:
         """The pools serving ``model``; with no model named, the only one configured."""

@@ -12,7 +12,7 @@ import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 from ops_helpers import Dnsmasq, Load, complete, eventually
 
-from proxy.config import ConfigError, load_config, parse_config
+from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
 from proxy.testing import running_proxy
@@ -432,3 +432,38 @@ def test_a_name_no_resolver_can_look_up_is_a_config_error():
                 "decode: {instances: [{url: 'http://d:1'}]}}}\n",
                 "x.yaml",
             )
+
+
+async def test_a_name_no_entry_has_any_more_leaves_no_metric_series():
+    def config(prefill_dns: str) -> ProxyConfig:
+        return ProxyConfig.model_validate(
+            {
+                "models": {
+                    "*": {
+                        "prefill": {"instances": [{"dns": prefill_dns}]},
+                        "decode": {"instances": [{"dns": "decode.kv.test:8200"}]},
+                    }
+                },
+                "discovery": {"interval_s": 3600},
+                "health": {"interval_s": 3600},
+            }
+        )
+
+    async with running_proxy(config("old.kv.test:8100")) as proxy:
+
+        async def started() -> bool:
+            return 'name="old.kv.test:8100",outcome="error"' in await proxy.metrics()
+
+        # The round run at startup (the system resolver) is over.
+        await eventually(started, "the startup round's lookup failed")
+        discovery = proxy.state.discovery
+        discovery._resolver = _Resolver("nothing.kv.test")
+        discovery._resolver_config = proxy.state.config.discovery
+        await discovery.refresh()
+        assert 'name="old.kv.test:8100"' in await proxy.metrics()
+        proxy.state.apply(config("new.kv.test:8100"))  # as a reload does
+        await discovery.refresh()
+        metrics = await proxy.metrics()
+    assert 'name="old.kv.test:8100"' not in metrics
+    assert 'name="new.kv.test:8100"' in metrics
+    assert 'name="decode.kv.test:8200"' in metrics

@@ -11,6 +11,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from proxy_helpers import make_config
 
 from proxy.assemble import Assembler
 from proxy.body import (
@@ -28,6 +30,7 @@ from proxy.instances import Instance, Pool
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
 from proxy.sse import EventReader, First, FirstEventScanner
+from proxy.state import ProxyState
 
 
 def insts(
@@ -289,6 +292,30 @@ def test_a_clean_load_rejudges_every_case_it_can_change(loads):
             out.append(sorted(e.instance.url for e in record(ps[p], ds[d])))
         ejected.append(out)
     assert ejected[0] == ejected[1]
+
+
+def test_an_instance_that_leaves_takes_its_metric_series_with_it():
+    state = ProxyState(
+        make_config(["http://p:1"], ["http://d1:1", "http://d2:1"], health={})
+    )
+    (p,) = state.pools_for(None).prefill.instances
+    d1, d2 = state.pools_for(None).decode.instances
+    m = state.metrics
+    for d in (d1, d2):
+        m.upstream_failures.labels("decode", d.url, "decode_5xx").inc()
+        m.integrity_failures.labels(p.url, d.url).inc()
+        m.ejections.labels("decode", d.url, "instance").inc()
+    state.remove_instances({d2})  # as DNS reaping and the admin API do
+    text = generate_latest(m.registry).decode()
+    assert "http://d2:1" not in text
+    for name in ("upstream_failures", "kv_integrity_failures", "ejections"):
+        assert any(  # the other decode's series stay
+            line.startswith(f"kvguard_proxy_{name}_total{{") and "http://d1:1" in line
+            for line in text.splitlines()
+        )
+    # A reload that drops an instance does the same.
+    state.apply(make_config(["http://p:1"], ["http://d2:1"], health={}))
+    assert "http://d1:1" not in generate_latest(m.registry).decode()
 
 
 def test_router_avoids_ejected_pairs_and_tried_instances_but_never_runs_dry():
