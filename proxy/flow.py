@@ -458,12 +458,12 @@ class Flow:
         try:
             for number in range(cfg.retry.max_attempts):
                 if failure is not None:
-                    if failure.reason == _TOTAL_TIMEOUT or req.remaining() <= 0:
+                    if req.expired():
                         break
                     await asyncio.sleep(
                         min(self._backoff(number, cfg), req.remaining())
                     )
-                    if req.remaining() <= 0:
+                    if req.expired():
                         break
                 prefill = st.router.pick(
                     pools.prefill,
@@ -506,9 +506,8 @@ class Flow:
                 avoid_p.add(prefill)
                 if result.role == "decode":
                     avoid_d.add(decode)
-            expired = req.remaining() <= 0 or (
-                failure is not None and failure.reason == _TOTAL_TIMEOUT
-            )
+            # A total-timeout failure is made only once the deadline has passed.
+            expired = req.expired()
             if cfg.retry.on_exhausted == "decode_only" and not expired:
                 result = await self._decode_only(req, avoid_d, failure)
                 if not isinstance(result, Failure):
@@ -567,7 +566,6 @@ class Flow:
         # Reserved from now, prefill included: a burst of requests whose
         # prefills are running must not all pick the same idle decode.
         decode.in_flight += 1
-        reserved = True
         try:
             if attempt.prefill is not None:
                 prefilled = await self._prefill(req, attempt)
@@ -583,7 +581,7 @@ class Flow:
             try:
                 remaining = req.remaining()
                 if remaining <= 0:
-                    result = Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
+                    result = _total_timeout("decode")
                 elif not (req.body.stream or req.assemble):
                     result = await self._decode_json(req, attempt, remaining)
                     if isinstance(result, Answer):
@@ -600,16 +598,13 @@ class Flow:
                         result = first
                 pulled = isinstance(result, Answer)
             finally:
-                decode.in_flight -= 1
-                reserved = False
                 if not pulled and attempt.prefill is not None and attempt.loads_kv:
                     self._abort(attempt.prefill, attempt.id, attempt.kv_params)
             if isinstance(result, Answer) and result.outcome == "ok":
                 req.served = True
             return self._result(req, attempt, result)
         finally:
-            if reserved:
-                decode.in_flight -= 1
+            decode.in_flight -= 1
             self._log(attempt, req)
 
     def _result(
@@ -667,7 +662,7 @@ class Flow:
         remaining = req.remaining()
         if remaining < req.config.timeouts.prefill_s:
             if remaining <= 0:
-                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "prefill")
+                return _total_timeout("prefill")
             timeout = aiohttp.ClientTimeout(
                 total=remaining, sock_connect=req.config.timeouts.connect_s
             )
@@ -689,8 +684,7 @@ class Flow:
             return self._answered("prefill_reply_too_large", f"prefill {exc}", prefill)
         except (TimeoutError, aiohttp.ClientError) as exc:
             if isinstance(exc, TimeoutError) and req.expired():
-                self._abort(prefill, attempt.id, None)  # it may still be prefilling
-                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "prefill")
+                return self._leg_expired(prefill, attempt, "prefill")
             reason, message = _transport_failure("prefill", exc, timeout)
             st.health.note(prefill, ok=False)
             st.metrics.upstream_failures.labels("prefill", prefill.url, reason).inc()
@@ -755,8 +749,7 @@ class Flow:
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             if isinstance(exc, TimeoutError) and req.expired():
-                self._abort(decode, attempt.id, None)  # it may still be decoding
-                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
+                return self._leg_expired(decode, attempt, "decode")
             failure = self._decode_transport_failure(decode, exc, timeout)
             if failure.reason == "decode_timeout":  # it may still be decoding
                 self._abort(decode, attempt.id, None)
@@ -819,8 +812,7 @@ class Flow:
             if resp is not None:
                 resp.close()
             if isinstance(exc, TimeoutError) and req.expired():
-                self._abort(decode, attempt.id, None)
-                return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
+                return self._leg_expired(decode, attempt, "decode")
             if isinstance(exc, TimeoutError) and not isinstance(
                 exc, aiohttp.ClientError
             ):
@@ -909,7 +901,7 @@ class Flow:
                     timer.reschedule(loop.time() + min(idle, req.deadline - now))
         except TimeoutError:
             failure = (
-                Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, "decode")
+                _total_timeout("decode")
                 if req.expired()
                 else Failure(
                     "decode_timeout", f"decode stream idle for {idle:.3g}s", "decode"
@@ -1163,6 +1155,13 @@ class Flow:
             status=status,
         )
 
+    def _leg_expired(self, inst: Instance, attempt: Attempt, role: str) -> Failure:
+        """A leg timed out because the request's total timeout ran out: it
+        counts against nothing, and ``inst`` (still working on it, maybe) is
+        asked to abort."""
+        self._abort(inst, attempt.id, None)
+        return _total_timeout(role)
+
     def _abort(self, inst: Instance, attempt_id: str, kv_params: bytes | None) -> None:
         """Asks ``inst`` (in the background) to abort the attempt and free its KV."""
         ids = [attempt_id]
@@ -1189,6 +1188,11 @@ _ABORT_RE = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 _MAX_CLIENT_ID = 256
 # Bytes of a stream kept across reads: twice the abort marker as vLLM writes it.
 _TAIL = 48
+
+
+def _total_timeout(role: str) -> Failure:
+    """The failure of a leg that the request's total timeout cut short."""
+    return Failure(_TOTAL_TIMEOUT, _TOTAL_TIMEOUT_MESSAGE, role)
 
 
 def _client_request_id(headers: Mapping[str, str]) -> str | None:
