@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from proxy.config import AuthConfig, ConfigError, read_secret
+from proxy.config import AuthConfig, ConfigError, InstanceConfig, read_secret
 
 
 def bearer(headers: Mapping[str, str]) -> bytes | None:
@@ -54,6 +54,18 @@ class Auth:
         self.admin = admin
         self.backend_key = backend_key
         self.metrics = metrics or Keys([])
+
+    def instance_key(self, entry: InstanceConfig) -> str | None:
+        """The API key the proxy sends to ``entry``'s instances: its own,
+        else the backend key.
+
+        Raises:
+            ConfigError: the entry's key file or variable cannot be read.
+        """
+        keys = read_secret(
+            entry.api_key_env, entry.api_key_file, f"{entry.key} api key"
+        )
+        return keys[0] if keys else self.backend_key
 
     @classmethod
     def from_config(cls, cfg: AuthConfig) -> Auth:

@@ -19,7 +19,6 @@ needs no cluster credentials and works the same outside Kubernetes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Iterator
@@ -30,8 +29,9 @@ from aiohttp.resolver import AsyncResolver, ThreadedResolver
 from prometheus_client import Counter, Gauge
 from yarl import URL
 
-from proxy.config import ConfigError, DiscoveryConfig, InstanceConfig, read_secret
+from proxy.config import ConfigError, DiscoveryConfig, InstanceConfig
 from proxy.instances import Instance, Pool
+from proxy.metrics import remove_series
 
 if TYPE_CHECKING:
     from proxy.state import ProxyState
@@ -157,15 +157,9 @@ class Discovery:
 
     def _forget_names(self, gone: set[str]) -> None:
         """Drops the metric series of names no entry has any more."""
-        for name in gone:
-            for metric, labels in (
-                (self.addresses, [(name,)]),
-                (self.lookups, [(name, "ok"), (name, "error")]),
-            ):
-                for values in labels:
-                    # Absent if never looked up, or never with that outcome.
-                    with contextlib.suppress(KeyError):
-                        metric.remove(*values)
+        if gone:
+            remove_series(self.addresses, ("name",), lambda v: v[0] in gone)
+            remove_series(self.lookups, ("name", "outcome"), lambda v: v[0] in gone)
 
     async def _current_resolver(self) -> AbstractResolver:
         config = self.state.config.discovery
@@ -219,11 +213,10 @@ class Discovery:
         if not new:
             return
         try:
-            keys = read_secret(entry.api_key_env, entry.api_key_file, f"{entry.dns}")
+            key = self.state.auth.instance_key(entry)
         except ConfigError as exc:
             log.error("cannot add instances found by %s: %s", entry.dns, exc)
             return
-        key = keys[0] if keys else self.state.auth.backend_key
         added = []
         for url in new:
             inst = Instance(url, pool.role, model, entry.weight, key)

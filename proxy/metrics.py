@@ -164,9 +164,9 @@ class ProxyMetrics:
             return values[:2] == (role, url)
 
         column = 0 if role == "prefill" else 1
-        _remove(self.upstream_failures, ("role", "instance", "reason"), own)
-        _remove(self.ejections, ("role", "instance", "kind"), own)
-        _remove(
+        remove_series(self.upstream_failures, ("role", "instance", "reason"), own)
+        remove_series(self.ejections, ("role", "instance", "kind"), own)
+        remove_series(
             self.integrity_failures, ("prefill", "decode"), lambda v: v[column] == url
         )
 
@@ -181,18 +181,18 @@ class ProxyMetrics:
         return pair
 
 
-def _remove(
-    counter: Counter,
+def remove_series(
+    metric: Counter | Gauge,
     names: tuple[str, ...],
     matches: Callable[[tuple[str, ...]], bool],
 ) -> None:
-    """Removes ``counter``'s series (label values in ``names`` order) that
+    """Removes ``metric``'s series (label values in ``names`` order) that
     ``matches``."""
     series = {
         tuple(sample.labels[name] for name in names)
-        for metric in counter.collect()
-        for sample in metric.samples
+        for family in metric.collect()
+        for sample in family.samples
     }
     for values in series:
         if matches(values):
-            counter.remove(*values)
+            metric.remove(*values)

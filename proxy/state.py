@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Collection, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Collection, Coroutine, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -21,12 +21,10 @@ from proxy.auth import Auth
 from proxy.config import (
     ANY_MODEL,
     ConfigError,
-    InstanceConfig,
     PoolConfig,
     ProxyConfig,
     Role,
     load_config,
-    read_secret,
     with_overrides,
 )
 from proxy.discovery import Discovery
@@ -43,16 +41,6 @@ _encode_json = msgspec.json.Encoder().encode
 
 # How many KV integrity failures the proxy keeps for /status.
 RECENT_FAILURES = 50
-
-
-def _instance_key(entry: InstanceConfig, auth: Auth) -> str | None:
-    """The API key the proxy sends to ``entry``'s instances.
-
-    Raises:
-        ConfigError: the entry's key file or variable cannot be read.
-    """
-    keys = read_secret(entry.api_key_env, entry.api_key_file, f"{entry.key} api key")
-    return keys[0] if keys else auth.backend_key
 
 
 class ProxyState:
@@ -97,7 +85,7 @@ class ProxyState:
         auth = Auth.from_config(config.auth)
         # Every key is read before anything changes: a failed reload changes nothing.
         keys = {
-            id(entry): _instance_key(entry, auth)
+            id(entry): auth.instance_key(entry)
             for model in config.models.values()
             for pool in (model.prefill, model.decode)
             for entry in pool.instances
@@ -112,10 +100,6 @@ class ProxyState:
                 self._pool(name, "prefill", model.prefill, keys, old, kept),
                 self._pool(name, "decode", model.decode, keys, old, kept),
             )
-        gone = [inst for inst in old.values() if inst not in kept]
-        for inst in gone:
-            inst.removed = True
-            self.tracker.forget(inst)
         for inst in kept:
             if inst.discovered_by is None:
                 # Configured by url now, though discovery may have drained it.
@@ -127,7 +111,7 @@ class ProxyState:
         self.config = config
         self.auth = auth
         self.models = models
-        self._forget_series(gone)
+        self._retire([inst for inst in old.values() if inst not in kept])
         self.tracker.config = config.ejection
         t = config.timeouts
         self.prefill_timeout = aiohttp.ClientTimeout(
@@ -215,14 +199,15 @@ class ProxyState:
             for pool in (pools.prefill, pools.decode):
                 if any(i in gone for i in pool.instances):
                     pool.instances = [i for i in pool.instances if i not in gone]
+        self._retire(gone)
+
+    def _retire(self, gone: Collection[Instance]) -> None:
+        """``gone`` left the pools: requests in flight on them finish, but
+        the tracker forgets them, and so do the metrics where no pool of
+        their role lists their URL any more."""
         for inst in gone:
             inst.removed = True
             self.tracker.forget(inst)
-        self._forget_series(gone)
-
-    def _forget_series(self, gone: Iterable[Instance]) -> None:
-        """Drops the metric series of instances whose URL no pool of their
-        role lists any more."""
         listed = {(i.role, i.url) for i in self.all_instances()}
         for role, url in {(i.role, i.url) for i in gone} - listed:
             self.metrics.forget_instance(role, url)
