@@ -25,7 +25,7 @@ from proxy.auth import bearer
 from proxy.config import ConfigError, normalize_url, read_secret
 from proxy.errors import error_response
 from proxy.instances import Instance, Pool
-from proxy.server import expect_continue
+from proxy.server import json_route
 
 if TYPE_CHECKING:
     from proxy.state import ProxyState
@@ -78,21 +78,15 @@ def add_admin_routes(app: web.Application, key: web.AppKey[ProxyState]) -> None:
 
         return wrapper
 
-    app.router.add_get("/admin/instances", guarded(_list))
-    app.router.add_post(
-        "/admin/instances", guarded(_add), expect_handler=expect_continue
-    )
-    app.router.add_delete(
-        "/admin/instances", guarded(_remove), expect_handler=expect_continue
-    )
-    app.router.add_post(
-        "/admin/instances/drain", guarded(_drain), expect_handler=expect_continue
-    )
-    app.router.add_post(
-        "/admin/instances/undrain", guarded(_undrain), expect_handler=expect_continue
-    )
-    app.router.add_post(
-        "/admin/reload", guarded(_reload), expect_handler=expect_continue
+    app.add_routes(
+        [
+            json_route("GET", "/admin/instances", guarded(_list)),
+            json_route("POST", "/admin/instances", guarded(_add)),
+            json_route("DELETE", "/admin/instances", guarded(_remove)),
+            json_route("POST", "/admin/instances/drain", guarded(_drain)),
+            json_route("POST", "/admin/instances/undrain", guarded(_undrain)),
+            json_route("POST", "/admin/reload", guarded(_reload)),
+        ]
     )
 
 

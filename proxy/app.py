@@ -23,7 +23,7 @@ from proxy.config import ANY_MODEL, ProxyConfig
 from proxy.errors import error_response
 from proxy.flow import Flow
 from proxy.instances import Instance
-from proxy.server import expect_continue, json_errors
+from proxy.server import json_errors, json_route
 from proxy.state import STATE, ProxyState
 from proxy.status import status_page
 from proxy.upstream import ReplyTooLarge, read_capped
@@ -146,18 +146,18 @@ def create_app(
     app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state
     flow = Flow(state)
-    app.router.add_post(
-        "/v1/completions", flow.completions, expect_handler=expect_continue
+    app.add_routes(
+        [
+            json_route("POST", "/v1/completions", flow.completions),
+            json_route("POST", "/v1/chat/completions", flow.chat),
+            json_route("GET", "/v1/models", _models),
+            json_route("GET", "/health", _health),
+            json_route("GET", "/readiness", _health),
+            json_route("GET", "/liveness", _liveness),
+            json_route("GET", "/metrics", _metrics),
+            json_route("GET", "/status", status_page),
+        ]
     )
-    app.router.add_post(
-        "/v1/chat/completions", flow.chat, expect_handler=expect_continue
-    )
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/readiness", _health)
-    app.router.add_get("/liveness", _liveness)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/status", status_page)
     add_admin_routes(app, STATE)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)

@@ -49,6 +49,12 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+def json_route(method: str, path: str, handler: Handler) -> web.RouteDef:
+    """A route (a GET one with its HEAD) whose unknown ``Expect`` header is
+    answered in JSON: aiohttp has no default for every route."""
+    return web.route(method, path, handler, expect_handler=expect_continue)
+
+
 class _JsonErrorHandler(RequestHandler):
     """A connection whose own error replies are OpenAI JSON, not plain text."""
 

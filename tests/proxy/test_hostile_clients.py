@@ -141,6 +141,12 @@ async def test_non_utf8_authorization_is_401(stubs, monkeypatch, path):
             417,
         ),
         (
+            "an expectation on a GET route",
+            b"GET /health HTTP/1.1\r\nHost: x\r\nExpect: 100-banana\r\n"
+            b"Connection: close\r\n\r\n",
+            417,
+        ),
+        (
             "wrong method",
             b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
             405,
