@@ -15,7 +15,7 @@ from ops_helpers import Dnsmasq, Load, complete, eventually
 from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
-from proxy.testing import running_proxy
+from proxy.testing import RunningProxy, running_proxy
 from tests.support.metrics import metric
 
 torch = pytest.importorskip("torch")
@@ -388,40 +388,53 @@ class _Resolver(AbstractResolver):
         pass
 
 
+def _dns_config(prefill_dns: str) -> ProxyConfig:
+    """A prefill and a decode pool of one dns: entry each, discovery and
+    health left to the test."""
+    return ProxyConfig.model_validate(
+        {
+            "models": {
+                "*": {
+                    "prefill": {"instances": [{"dns": prefill_dns}]},
+                    "decode": {"instances": [{"dns": "decode.kv.test:8200"}]},
+                }
+            },
+            "discovery": {"interval_s": 3600},
+            "health": {"interval_s": 3600},
+        }
+    )
+
+
+def _lookup_errors(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("kvguard_proxy_discovery_lookups_total{") and (
+            f'name="{name}",outcome="error"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _use_resolver(proxy: RunningProxy, resolver: AbstractResolver) -> None:
+    """Makes ``resolver`` discovery's, once the round run at startup is over
+    (the system resolver fails the prefill's name, which no host has)."""
+    name = proxy.state.config.models["*"].prefill.instances[0].dns or ""
+
+    async def failed_once() -> bool:
+        return _lookup_errors(await proxy.metrics(), name) >= 1
+
+    await eventually(failed_once, "the startup round's lookup failed")
+    proxy.state.discovery._resolver = resolver
+    proxy.state.discovery._resolver_config = proxy.state.config.discovery
+
+
 async def test_a_lookup_failing_in_any_way_leaves_the_other_names_resolved():
-    config = {
-        "models": {
-            "*": {
-                "prefill": {"instances": [{"dns": "broken.kv.test:8100"}]},
-                "decode": {"instances": [{"dns": "decode.kv.test:8200"}]},
-            }
-        },
-        "discovery": {"interval_s": 3600},
-        "health": {"interval_s": 3600},
-    }
-
-    def errors(metrics: str) -> float:
-        for line in metrics.splitlines():
-            if line.startswith("kvguard_proxy_discovery_lookups_total{") and (
-                'name="broken.kv.test:8100",outcome="error"' in line
-            ):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    async with running_proxy(config) as proxy:
-
-        async def failed_once() -> bool:
-            return errors(await proxy.metrics()) >= 1
-
-        # The round run at startup (the system resolver) fails this name too.
-        await eventually(failed_once, "the startup round's lookup failed")
-        discovery = proxy.state.discovery
-        discovery._resolver = _Resolver("broken.kv.test")
-        discovery._resolver_config = proxy.state.config.discovery
-        before = errors(await proxy.metrics())
-        await discovery.refresh()
+    name = "broken.kv.test:8100"
+    async with running_proxy(_dns_config(name)) as proxy:
+        await _use_resolver(proxy, _Resolver("broken.kv.test"))
+        before = _lookup_errors(await proxy.metrics(), name)
+        await proxy.state.discovery.refresh()
         assert list(_pool_urls(proxy.state, "decode")) == ["http://127.0.0.1:8200"]
-        assert errors(await proxy.metrics()) == before + 1
+        assert _lookup_errors(await proxy.metrics(), name) == before + 1
 
 
 def test_a_name_no_resolver_can_look_up_is_a_config_error():
@@ -435,34 +448,12 @@ def test_a_name_no_resolver_can_look_up_is_a_config_error():
 
 
 async def test_a_name_no_entry_has_any_more_leaves_no_metric_series():
-    def config(prefill_dns: str) -> ProxyConfig:
-        return ProxyConfig.model_validate(
-            {
-                "models": {
-                    "*": {
-                        "prefill": {"instances": [{"dns": prefill_dns}]},
-                        "decode": {"instances": [{"dns": "decode.kv.test:8200"}]},
-                    }
-                },
-                "discovery": {"interval_s": 3600},
-                "health": {"interval_s": 3600},
-            }
-        )
-
-    async with running_proxy(config("old.kv.test:8100")) as proxy:
-
-        async def started() -> bool:
-            return 'name="old.kv.test:8100",outcome="error"' in await proxy.metrics()
-
-        # The round run at startup (the system resolver) is over.
-        await eventually(started, "the startup round's lookup failed")
-        discovery = proxy.state.discovery
-        discovery._resolver = _Resolver("nothing.kv.test")
-        discovery._resolver_config = proxy.state.config.discovery
-        await discovery.refresh()
+    async with running_proxy(_dns_config("old.kv.test:8100")) as proxy:
+        await _use_resolver(proxy, _Resolver("nothing.kv.test"))
+        await proxy.state.discovery.refresh()
         assert 'name="old.kv.test:8100"' in await proxy.metrics()
-        proxy.state.apply(config("new.kv.test:8100"))  # as a reload does
-        await discovery.refresh()
+        proxy.state.apply(_dns_config("new.kv.test:8100"))  # as a reload does
+        await proxy.state.discovery.refresh()
         metrics = await proxy.metrics()
     assert 'name="old.kv.test:8100"' not in metrics
     assert 'name="new.kv.test:8100"' in metrics

@@ -5,7 +5,6 @@ against it."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import pytest
@@ -14,17 +13,9 @@ from proxy_helpers import StubEngine, make_config
 from proxy.config import ProxyConfig
 from proxy.policy import prefix_hash
 from proxy.testing import running_proxy
+from tests.support.metrics import metric
 
 PROMPT = "the same prompt prefix"
-
-
-def _retries(metrics: str) -> float:
-    return sum(
-        float(value)
-        for value in re.findall(
-            r"^kvguard_proxy_retries_total\{[^}]*\} (\S+)", metrics, re.M
-        )
-    )
 
 
 def _prefix_hash_decodes(stubs: list[StubEngine], **retry: object) -> ProxyConfig:
@@ -59,7 +50,7 @@ async def test_a_request_outliving_its_total_timeout_takes_no_instance_out(
         metrics = await px.metrics()
     assert statuses == ([200, 200] if stream else [504, 504])
     assert "kvguard_proxy_upstream_failures_total{" not in metrics
-    assert _retries(metrics) == 0
+    assert metric(metrics, "kvguard_proxy_retries_total") == 0
 
 
 async def test_a_retry_skips_the_decode_that_failed_when_all_are_ejected(stubs):
@@ -146,7 +137,7 @@ async def test_retries_are_counted_only_when_made(stubs):
         await p.stop()  # refused, then out of service: nothing left to retry on
         resp = await px.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert resp.status == 503
-        assert _retries(await px.metrics()) == 0
+        assert metric(await px.metrics(), "kvguard_proxy_retries_total") == 0
 
 
 async def test_the_backoff_ends_with_the_total_timeout(stubs):
