@@ -430,7 +430,7 @@ class KVChecksumScheduler:
         for group_id, group in self._groups.items():
             spec = group.kv_cache_spec
             if isinstance(spec, MambaSpec):
-                ids = _ids_of(blocks[group_id])
+                ids = _ids_of(blocks[group_id], 0, None)
                 if block_ids := [i for i in ids if i != NULL_BLOCK_ID]:
                     state = clip_ssm_state_blocks(
                         block_ids, spec.num_speculative_blocks
@@ -439,7 +439,7 @@ class KVChecksumScheduler:
                 continue
             block_size = spec.block_size
             first = start_token // block_size
-            ids = _ids_of(blocks[group_id][first : cdiv(end_token, block_size)])
+            ids = _ids_of(blocks[group_id], first, cdiv(end_token, block_size))
             try:
                 run = _non_null_run(ids, first)
             except ValueError:
@@ -519,14 +519,21 @@ class KVChecksumScheduler:
         return comparison
 
 
-def _ids_of(blocks: Sequence[Block] | Sequence[int]) -> list[int]:
-    """The ids of ``blocks``, a host's ids as they are. The null block's id is
-    ``NULL_BLOCK_ID`` (``Block``), so no block's ``is_null`` is read: one
-    attribute per block, as vLLM lists them for its workers."""
+def _ids_of(
+    blocks: Sequence[Block] | Sequence[int], start: int, end: int | None
+) -> list[int]:
+    """The ids of ``blocks[start:end]``, a new list; a host's ids as they
+    are. The null block's id is ``NULL_BLOCK_ID`` (``Block``), so no block's
+    ``is_null`` is read: one attribute per block, as vLLM lists them for its
+    workers."""
     if not blocks or isinstance(blocks[0], int):
-        ids = cast("Sequence[int]", blocks)
+        ids = cast("Sequence[int]", blocks)[start:end]
         return ids if isinstance(ids, list) else list(ids)
-    return [b.block_id for b in cast("Sequence[Block]", blocks)]
+    whole = start == 0 and (end is None or end >= len(blocks))
+    # All of a request's blocks (a load without a local prefix): read in
+    # place, not sliced into a list first.
+    part = cast("Sequence[Block]", blocks if whole else blocks[start:end])
+    return [b.block_id for b in part]
 
 
 def _non_null_run(ids: list[int], first: int) -> tuple[int, list[int]] | None:
