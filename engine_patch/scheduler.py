@@ -104,6 +104,8 @@ class KVChecksumScheduler:
         self._recvs: dict[str, PendingChecksums] = {}
         # Consumer requests whose KV load has not started yet.
         self._remote_prefills: set[str] = set()
+        # Consumer requests whose load was refused (on_unverifiable_load).
+        self._refused_loads: set[str] = set()
         self._to_send: dict[str, bytes] = {}
         self._failures: dict[str, str] = {}
         self._mismatched: dict[str, dict[int, list[int]]] = {}
@@ -144,6 +146,37 @@ class KVChecksumScheduler:
             and not params.get("do_remote_decode")
         ):
             self._remote_prefills.add(request.request_id)
+
+    def on_unverifiable_load(self, request: Request, reason: UnverifiedReason) -> bool:
+        """Note that a consumer request's coming load from its producer cannot
+        be checksummed (e.g. ``SYNC_LOAD``: its connector loads it inside the
+        forward that uses it, before any verdict): counted unverified.
+
+        Returns:
+            Whether the load must not happen (fail-closed): the host then
+            computes the request's prompt itself. False for fail-open, and
+            for a request that is not such a consumer (its load is not one
+            KVGuard checks).
+
+        """
+        req_id = request.request_id
+        if req_id in self._refused_loads:
+            return True  # Asked again (the request waited for blocks).
+        if req_id not in self._remote_prefills:
+            return False
+        self._remote_prefills.discard(req_id)
+        self.stats.unverified[reason] += 1
+        warning_once(
+            logger,
+            "KV loads not verified: %s%s.",
+            reason,
+            " (fail-closed: such loads are refused and their prompts computed locally)"
+            if self._fail_closed
+            else " (fail-open: such loads are used unchecked)",
+        )
+        if self._fail_closed:
+            self._refused_loads.add(req_id)
+        return self._fail_closed
 
     def add_send(
         self,
@@ -386,6 +419,7 @@ class KVChecksumScheduler:
         """
         req_id = request.request_id
         self._remote_prefills.discard(req_id)
+        self._refused_loads.discard(req_id)
         self._recvs.pop(req_id, None)
         pending = self._sends.pop(req_id, None)
         if (

@@ -75,6 +75,8 @@ class UnverifiedReason(enum.StrEnum):
     # A bug of the scheduler's own: it cannot compare what it was given.
     INTERNAL = "the checksums could not be compared (internal error)"
     NOTHING_CHECKSUMMED = "no loaded group can be checksummed"
+    # Loaded inside the forward that uses it: no verdict can come first.
+    SYNC_LOAD = "the connector loads synchronously, inside the forward"
     # Loads of offloaded KV only.
     NO_STORED = "a worker has no offloaded checksums of a loaded block"
     NO_BLOCK_HASH = "a loaded block has no block hash"

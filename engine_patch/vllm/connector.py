@@ -424,7 +424,18 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         self._scheduler.on_matched_tokens(request, num_computed_tokens)
-        return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        num_external, load_async = self._inner.get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        if (
+            num_external
+            and not load_async
+            and self._scheduler.refuses_sync_load(request)
+        ):
+            # vLLM computes the prompt; the inner connector hears of no load
+            # in update_state_after_alloc (0 tokens).
+            return 0, False
+        return num_external, load_async
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from engine_patch.host import NULL_BLOCK_ID
 from engine_patch.log import get_logger
-from engine_patch.scheduler import KVChecksumScheduler
+from engine_patch.scheduler import KVChecksumScheduler, UnverifiedReason
 from engine_patch.stats import KVChecksumStats
 from engine_patch.types import KVChecksumRecord
 from engine_patch.vllm.host import (
@@ -231,6 +231,16 @@ class KVGuardSchedulerSide:
         start of a load that follows."""
         if self._checksums is not None:
             self._num_local_tokens[request.request_id] = num_computed_tokens
+
+    def refuses_sync_load(self, request: Request) -> bool:
+        """Whether the load the inner connector would make synchronously
+        (inside the forward that uses the KV, so no verdict can come first)
+        must not happen: a consumer's load from its producer, fail-closed.
+        Such loads are counted unverified in both modes."""
+        if self._checksums is None:
+            return False
+        self._outcomes = True
+        return self._checksums.on_unverifiable_load(request, UnverifiedReason.SYNC_LOAD)
 
     def on_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -216,3 +216,49 @@ def test_stats_count_every_outcome() -> None:
     assert consumer.stats.verified == 2
     assert consumer.stats.mismatch == 1
     assert consumer.stats.unverified == {R.NO_CHECKSUMS: 1}
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_a_load_that_cannot_be_checksummed_is_refused_fail_closed(
+    fail_closed: bool,
+) -> None:
+    consumer = Consumer(kv_config(full()), fail_closed=fail_closed)
+    scheduler = consumer.scheduler
+    req = consumer_request("r", 32)
+    scheduler.on_new_request(req)
+    refused = scheduler.on_unverifiable_load(req, R.SYNC_LOAD)
+    assert refused is fail_closed
+    # The host asks again while the request waits for blocks: same answer,
+    # counted once.
+    assert scheduler.on_unverifiable_load(req, R.SYNC_LOAD) is fail_closed
+    assert consumer.stats.unverified == {R.SYNC_LOAD: 1}
+    # Fail-open, the load goes ahead unchecked: nothing waits for a verdict.
+    req.num_computed_tokens = 32
+    scheduler.add_recv(req, FakeBlocks.of([1, 2]), 0)
+    assert scheduler.build_checksum_meta() is None
+
+
+def test_only_a_consumers_load_from_its_producer_is_refused() -> None:
+    consumer = Consumer(kv_config(full()))
+    scheduler = consumer.scheduler
+    # A request of no P/D pair: its load (a cache tier of its engine's
+    # connector) is not one KVGuard checks.
+    plain = consumer_request("plain", 32)
+    plain.kv_transfer_params = None
+    scheduler.on_new_request(plain)
+    assert not scheduler.on_unverifiable_load(plain, R.SYNC_LOAD)
+    assert not consumer.stats.unverified
+
+
+def test_a_refused_load_is_forgotten_when_its_request_finishes() -> None:
+    consumer = Consumer(kv_config(full()))
+    scheduler = consumer.scheduler
+    req = consumer_request("r", 32)
+    scheduler.on_new_request(req)
+    assert scheduler.on_unverifiable_load(req, R.SYNC_LOAD)
+    scheduler.request_finished(req, None)
+    # The same id again, for a request of no P/D pair.
+    again = consumer_request("r", 32)
+    again.kv_transfer_params = None
+    scheduler.on_new_request(again)
+    assert not scheduler.on_unverifiable_load(again, R.SYNC_LOAD)

@@ -73,10 +73,11 @@ def vllm_config(
     max_model_len: int = MAX_MODEL_LEN,
     num_blocks: int = NUM_BLOCKS,
     prompts_per_step: int = 1,
+    inner: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A CPU engine's config for the tiny model with KVGuard (fail-closed by
-    default) around NIXL; one step prefills ``prompts_per_step`` whole
-    prompts."""
+    default) around NIXL (or the ``inner`` connector config); one step
+    prefills ``prompts_per_step`` whole prompts."""
     transfer: dict[str, Any] = {
         "kv_role": role,
         "kv_buffer_device": "cpu",
@@ -90,6 +91,8 @@ def vllm_config(
             "kv_connector_module_path": "engine_patch.vllm",
             "kv_connector_extra_config": {"kv_checksums": {"fail_closed": fail_closed}},
         }
+        if inner is not None:
+            transfer["kv_connector_extra_config"]["inner"] = inner
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(ensure_model()), dtype="bfloat16", max_model_len=max_model_len
