@@ -9,7 +9,10 @@
     POST   /admin/instances/undrain   {"url", "role"?, "model"?}
     POST   /admin/reload              re-read the configuration file (as SIGHUP)
 
-Changes made here live until the next reload, which restores the file's pools.
+Changes made here live until the next reload, which restores the file's pools;
+until then DNS discovery does not undo them (see ``proxy.discovery``). An
+instance added here is probed before it joins, and with health checks on it
+takes traffic only once a probe passes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import msgspec
 from aiohttp import web
 
 from proxy.auth import bearer
-from proxy.config import ConfigError, normalize_url, read_secret
+from proxy.config import ConfigError, Role, normalize_url, read_secret
 from proxy.errors import error_response
 from proxy.instances import Instance, Pool
 from proxy.server import json_route
@@ -130,13 +133,13 @@ async def _selected(state: ProxyState, request: web.Request) -> list[Instance]:
 
 async def _drain(state: ProxyState, request: web.Request) -> web.Response:
     for inst in await _selected(state, request):
-        inst.drained = True
+        state.discovery.drained_by_admin(inst, True)
     return _listing(state)
 
 
 async def _undrain(state: ProxyState, request: web.Request) -> web.Response:
     for inst in await _selected(state, request):
-        inst.drained = False
+        state.discovery.drained_by_admin(inst, False)
     return _listing(state)
 
 
@@ -150,6 +153,7 @@ async def _remove(state: ProxyState, request: web.Request) -> web.Response:
                     f"cannot remove the last {pool.role} instance of a model"
                 )
     state.remove_instances(gone)
+    state.discovery.removed_by_admin(gone)
     return _listing(state)
 
 
@@ -167,12 +171,7 @@ async def _add(state: ProxyState, request: web.Request) -> web.Response:
         if len(state.models) != 1:
             raise _Invalid("model is required when several models are configured")
         model = next(iter(state.models))
-    pools = state.models.get(model)
-    if pools is None:
-        raise _Invalid(f"model {model!r} is not configured")
-    pool: Pool = pools.pool(spec.role)
-    if any(i.url == url for i in pool.instances):
-        raise _Invalid(f"{spec.role} {url} is already in model {model!r}")
+    _open_pool(state, model, spec.role, url)
     env = spec.api_key_env
     if env is not None and (
         not env.startswith(BACKEND_KEY_PREFIX) or env == BACKEND_KEY_PREFIX
@@ -187,8 +186,23 @@ async def _add(state: ProxyState, request: web.Request) -> web.Response:
     inst = Instance(
         url, spec.role, model, spec.weight, keys[0] if keys else state.auth.backend_key
     )
+    await state.health.first_probe([inst])
+    # Looked up again: a reload or another add may have come during the probe.
+    pool = _open_pool(state, model, spec.role, url)
     pool.instances = [*pool.instances, inst]
+    state.discovery.added_by_admin(inst)
     return _listing(state)
+
+
+def _open_pool(state: ProxyState, model: str, role: Role, url: str) -> Pool:
+    """``model``'s pool of ``role``, which must not list ``url`` yet."""
+    pools = state.models.get(model)
+    if pools is None:
+        raise _Invalid(f"model {model!r} is not configured")
+    pool = pools.pool(role)
+    if any(i.url == url for i in pool.instances):
+        raise _Invalid(f"{role} {url} is already in model {model!r}")
+    return pool
 
 
 async def _reload(state: ProxyState, request: web.Request) -> web.Response:

@@ -8,6 +8,10 @@ resolver or the configured nameservers) and reconciles its pool:
 - an address that left DNS is drained: requests in flight on it finish, no
   new one is routed to it, and it is removed once idle;
 - an address that comes back while draining is undrained;
+- what the admin API said of an address holds across lookups: one it
+  removed is not added back (until it adds it again, or a reload restores
+  the file's pools), one it drained stays drained when DNS drops it and
+  returns it;
 - a failed lookup (timeout, NXDOMAIN, refused) keeps the addresses last seen:
   a DNS outage must not empty a pool, and health probes still guard them.
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING
 
 from aiohttp.abc import AbstractResolver
@@ -30,7 +34,7 @@ from prometheus_client import Counter, Gauge
 from yarl import URL
 
 from proxy.config import ConfigError, DiscoveryConfig, InstanceConfig
-from proxy.instances import Instance, Pool
+from proxy.instances import Instance, Key, Pool
 from proxy.metrics import remove_series
 
 if TYPE_CHECKING:
@@ -73,6 +77,10 @@ class Discovery:
         self._wake = asyncio.Event()
         # Instances this module drained because their address left DNS.
         self._draining: set[Instance] = set()
+        # The admin API's word on addresses DNS may bring back, by Instance.key:
+        # the ones it removed, and the ones it drained.
+        self._removed: set[Key] = set()
+        self._drained: set[Key] = set()
         # Names with metric series: dropped once no entry names them.
         self._named: set[str] = set()
         registry = state.metrics.registry
@@ -197,7 +205,7 @@ class Discovery:
             if url in urls:
                 if inst in self._draining:
                     self._draining.discard(inst)
-                    inst.drained = False
+                    inst.drained = inst.key in self._drained
                     log.warning("%s %s is back in DNS (%s)", pool.role, url, entry.dns)
             elif inst not in self._draining:
                 self._draining.add(inst)
@@ -209,7 +217,9 @@ class Discovery:
                     entry.dns,
                     inst.in_flight,
                 )
-        new = sorted(urls - taken)
+        new = sorted(
+            url for url in urls - taken if (model, pool.role, url) not in self._removed
+        )
         if not new:
             return
         try:
@@ -223,6 +233,7 @@ class Discovery:
             inst.discovered_by = entry.dns
             # Out of rotation until a health probe passes.
             inst.healthy = False
+            inst.drained = inst.key in self._drained
             added.append(inst)
             log.warning(
                 "%s %s found in DNS (%s): in rotation once a health probe passes",
@@ -239,7 +250,44 @@ class Discovery:
         is undrained and never reaped."""
         if inst in self._draining:
             self._draining.discard(inst)
-            inst.drained = False
+            inst.drained = inst.key in self._drained
+
+    # ------------------------------------------------ the admin API's word
+
+    def removed_by_admin(self, gone: Collection[Instance]) -> None:
+        """The admin API removed ``gone``: DNS must not undo that at its next
+        lookup, so their addresses stay out until the admin API adds them
+        again or a reload restores the file's pools."""
+        for inst in gone:
+            self._removed.add(inst.key)
+            self._drained.discard(inst.key)
+            if inst.discovered_by is not None:
+                log.warning(
+                    "%s %s removed through the admin API: %s will not add it back "
+                    "until it is added again or the configuration is reloaded",
+                    inst.role,
+                    inst.url,
+                    inst.discovered_by,
+                )
+
+    def added_by_admin(self, inst: Instance) -> None:
+        """The admin API added ``inst``: its address is no longer held out."""
+        self._removed.discard(inst.key)
+
+    def drained_by_admin(self, inst: Instance, drained: bool) -> None:
+        """The admin API drained or undrained ``inst``. Its drain outlives the
+        address leaving DNS and returning (a new Instance then); its undrain
+        does not readmit an address that left DNS."""
+        if drained:
+            self._drained.add(inst.key)
+        else:
+            self._drained.discard(inst.key)
+        inst.drained = drained or inst in self._draining
+
+    def forget_removals(self) -> None:
+        """A reload restores the file's pools: every address of a ``dns:``
+        entry again, as every ``url:`` entry."""
+        self._removed.clear()
 
     def _reap(self) -> None:
         """Removes drained-out instances whose requests have all finished."""

@@ -6,6 +6,8 @@ something about the instance: a failed probe, a connection failure or
 timeout, and a request that failed on it but not alike elsewhere (once per
 request; the flow decides, see ``Flow._serve``). An instance ejected for
 integrity failures returns only after its cooldown *and* a passing probe.
+An instance added to a serving proxy (admin API, reload) is probed before it
+joins, and takes traffic only once a probe passes, as a new DNS address does.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import aiohttp
 from yarl import URL
 
+from proxy.config import HealthConfig
 from proxy.instances import Instance
 from proxy.upstream import ReplyTooLarge, read_capped
 
@@ -59,11 +63,17 @@ class Health:
                 inst.consecutive_failures,
             )
 
-    def _probed(self, inst: Instance, ok: bool, started: float) -> None:
+    def _probed(
+        self,
+        inst: Instance,
+        ok: bool,
+        started: float,
+        cfg: HealthConfig | None = None,
+    ) -> None:
         """Applies a probe sent at ``started``; a pass is stale, and ignored,
         when a failure was noted on ``inst`` since (the instance may have
         died after answering)."""
-        cfg = self.state.config.health
+        cfg = cfg or self.state.config.health
         if not ok:
             self.note(inst, ok=False)
             return
@@ -80,9 +90,12 @@ class Health:
                 "%s %s back from ejection after a passing probe", inst.role, inst.url
             )
 
-    async def probe(self, url: str, headers: dict[str, str]) -> bool:
-        """True when GET ``url`` + health path answers 2xx within the timeout."""
-        cfg = self.state.config.health
+    async def probe(
+        self, url: str, headers: dict[str, str], cfg: HealthConfig | None = None
+    ) -> bool:
+        """True when GET ``url`` + health path answers 2xx within the timeout
+        (of ``cfg``, by default the running configuration's)."""
+        cfg = cfg or self.state.config.health
         try:
             async with self.state.session.get(
                 URL(url + cfg.path),
@@ -98,12 +111,29 @@ class Health:
             # ValueError: a URL that yarl refuses.
             return False
 
-    async def probe_instance(self, inst: Instance) -> bool:
+    async def probe_instance(
+        self, inst: Instance, cfg: HealthConfig | None = None
+    ) -> bool:
         """Probes ``inst`` now and applies the result (a new instance's way in)."""
         started = time.monotonic()
-        ok = await self.probe(inst.url, inst.headers)
-        self._probed(inst, ok, started)
+        ok = await self.probe(inst.url, inst.headers, cfg)
+        self._probed(inst, ok, started, cfg)
         return ok
+
+    async def first_probe(
+        self, joining: Collection[Instance], cfg: HealthConfig | None = None
+    ) -> None:
+        """Judges ``joining``, instances about to join a serving proxy's pools,
+        by one probe each, sent now, all at once: with health checks on (in
+        ``cfg``, the configuration they join under) each takes traffic only
+        once a probe passes, and a healthy one waits one probe, not a round.
+        With them off nothing would probe them in: they join as they are."""
+        cfg = cfg or self.state.config.health
+        if not cfg.enabled:
+            return
+        for inst in joining:
+            inst.healthy = False
+        await asyncio.gather(*(self.probe_instance(i, cfg) for i in joining))
 
     async def check_all(self) -> None:
         """Probes every distinct URL once; each result applies to its URL's

@@ -14,6 +14,9 @@ from yarl import URL
 
 from proxy.config import Role
 
+Key = tuple[str, str, str]
+"""(model, role, url): what names an instance across reloads and DNS lookups."""
+
 
 class Instance:
     """One backend and the live state the proxy keeps about it."""
@@ -81,6 +84,10 @@ class Instance:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+
+    @property
+    def key(self) -> Key:
+        return self.model, self.role, self.url
 
     @property
     def ejected(self) -> bool:

@@ -30,7 +30,7 @@ from proxy.config import (
 from proxy.discovery import Discovery
 from proxy.ejection import Ejection, IntegrityTracker
 from proxy.health import Health
-from proxy.instances import Instance, ModelPools, Pool
+from proxy.instances import Instance, Key, ModelPools, Pool
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Router
 from proxy.upstream import Upstream
@@ -75,8 +75,13 @@ class ProxyState:
 
     # ------------------------------------------------------------ configuration
 
-    def apply(self, config: ProxyConfig) -> None:
+    def apply(
+        self, config: ProxyConfig, joining: Mapping[Key, Instance] | None = None
+    ) -> None:
         """Makes ``config`` current, keeping the state of instances it still lists.
+
+        An instance it adds is taken from ``joining`` (a reload probes them
+        first), or else made and trusted at once, as at startup.
 
         Raises:
             ConfigError: a key named in ``auth`` or an instance cannot be read;
@@ -91,14 +96,13 @@ class ProxyState:
             for entry in pool.instances
         }
         models: dict[str, ModelPools] = {}
-        old: dict[tuple[str, str, str], Instance] = {
-            (i.model, i.role, i.url): i for i in self.all_instances()
-        }
+        old: dict[Key, Instance] = {i.key: i for i in self.all_instances()}
         kept: set[Instance] = set()
+        new = joining or {}
         for name, model in config.models.items():
             models[name] = ModelPools(
-                self._pool(name, "prefill", model.prefill, keys, old, kept),
-                self._pool(name, "decode", model.decode, keys, old, kept),
+                self._pool(name, "prefill", model.prefill, keys, old, kept, new),
+                self._pool(name, "decode", model.decode, keys, old, kept, new),
             )
         for inst in kept:
             if inst.discovered_by is None:
@@ -122,6 +126,7 @@ class ProxyState:
         )
         level = getattr(logging, config.logging.level.upper())
         logging.getLogger("kvguard.proxy").setLevel(level)
+        self.discovery.forget_removals()
         self.discovery.wake()
 
     @staticmethod
@@ -130,8 +135,9 @@ class ProxyState:
         role: Role,
         cfg: PoolConfig,
         keys: dict[int, str | None],
-        old: dict[tuple[str, str, str], Instance],
+        old: dict[Key, Instance],
         kept: set[Instance],
+        joining: Mapping[Key, Instance],
     ) -> Pool:
         """A pool for ``cfg``, reusing the Instance objects already serving it.
 
@@ -158,7 +164,9 @@ class ProxyState:
                 continue
             inst = old.get((model, role, inst_cfg.url))
             if inst is None:
-                inst = Instance(inst_cfg.url, role, model, inst_cfg.weight, key)
+                inst = joining.get((model, role, inst_cfg.url)) or Instance(
+                    inst_cfg.url, role, model, inst_cfg.weight, key
+                )
             else:
                 inst.weight = inst_cfg.weight
                 inst.set_api_key(key)
@@ -184,7 +192,13 @@ class ProxyState:
             config = await asyncio.to_thread(load_config, source)
             config = with_overrides(config, self.overrides)
             old_server = self.config.server
-            self.apply(config.model_copy(update={"server": old_server}))
+            new = config.model_copy(update={"server": old_server})
+            joining = self._joining(new)
+            if self._upstream is not None:
+                # Probed while the running pools still serve: replacing an
+                # instance leaves no moment without a usable one.
+                await self.health.first_probe(joining.values(), new.health)
+            self.apply(new, joining)
         except ConfigError as exc:
             log.error("reload failed, keeping the running configuration:\n%s", exc)
             return False
@@ -192,6 +206,31 @@ class ProxyState:
             log.warning("server.host/port changes need a restart; ignored on reload")
         log.warning("configuration reloaded from %s", self.source)
         return True
+
+    def _joining(self, config: ProxyConfig) -> dict[Key, Instance]:
+        """The instances ``config`` lists by url that no pool has yet, made
+        but in no pool.
+
+        Raises:
+            ConfigError: a key ``config`` names cannot be read.
+        """
+        auth = Auth.from_config(config.auth)
+        listed = {i.key for i in self.all_instances()}
+        joining: dict[Key, Instance] = {}
+        for name, model in config.models.items():
+            pools: tuple[tuple[Role, PoolConfig], ...] = (
+                ("prefill", model.prefill),
+                ("decode", model.decode),
+            )
+            for role, pool in pools:
+                for entry in pool.instances:
+                    if entry.url is None or (name, role, entry.url) in listed:
+                        continue
+                    key = auth.instance_key(entry)
+                    joining[name, role, entry.url] = Instance(
+                        entry.url, role, name, entry.weight, key
+                    )
+        return joining
 
     def remove_instances(self, gone: Collection[Instance]) -> None:
         """Takes ``gone`` out of every pool; requests in flight on them finish."""
