@@ -75,17 +75,20 @@ class Failure:
     """Why an attempt failed before the client's first byte; it may be retried.
 
     ``answered`` failures are ones the instance answered (a 5xx, an error
-    event, an empty or oversized reply): the request's own content may have
-    caused them, so they count against ``instance`` only once another
-    attempt has served the request (see ``Flow._serve``). Connection
-    failures and timeouts say something about the instance and count at once.
+    event, an empty or oversized reply), and a leg's timeout may be the
+    request's own doing too (a prompt no prefill finishes within
+    ``prefill_s``): both count against ``instance`` only once another
+    attempt has served the request (see ``Flow._settle``). Connection
+    failures say something about the instance and count at once.
     """
 
     reason: str  # metric label: kv_integrity, decode_5xx, prefill_connect, ...
     message: str
     role: str  # the leg that failed: "prefill" or "decode"
     answered: bool = False
-    instance: Instance | None = None  # the instance that answered it
+    # The instance it counts against if another attempt serves the request;
+    # None when it counted at once, or counts against nothing.
+    instance: Instance | None = None
     prefill: Instance | None = None  # a decode's prefill (its KV's source)
     status: int = 502  # what the client gets if the request itself is at fault
 
@@ -155,9 +158,11 @@ class _Request:
     decode_raw: bytes = b""
     assemble: bool = False  # a stream decoded for a non-streaming client
     outcome: str | None = None
-    answered: list[Failure] = field(default_factory=list)
-    # An attempt answered the client in full: the request itself can be served.
-    served: bool = False
+    # Failures that count against their ``instance`` only if the request is served.
+    unsettled: list[Failure] = field(default_factory=list)
+    # The instances of the attempt that answered the client in full, empty
+    # until one has: the request itself can be served.
+    served_by: tuple[Instance, ...] = ()
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -414,8 +419,9 @@ class Flow:
 
         A request that fails alike on two instances (same leg, same reason;
         for a decode, with different prefills too) is at fault itself: it
-        fails at once, for its client only. Answered failures count against
-        their instances only if another attempt served the request.
+        fails at once, for its client only. Answered failures and leg
+        timeouts count against their instances only if another attempt
+        served the request.
         """
         try:
             return await self._attempts(req)
@@ -423,13 +429,14 @@ class Flow:
             self._settle(req)
 
     def _settle(self, req: _Request) -> None:
-        """Counts the request's answered failures, once per instance, if
-        another attempt served it: one no instance served (a single decode,
-        or two sharing its prefill) may be at fault itself."""
-        if not req.served:
+        """Counts the request's unsettled failures, once per instance, if an
+        attempt served it: one no instance served (a single decode, or two
+        sharing its prefill; a prompt too slow for any) may be at fault
+        itself. The instances that served it are not counted for it."""
+        if not req.served_by:
             return
-        counted: set[Instance] = set()
-        for failure in req.answered:
+        counted = set(req.served_by)
+        for failure in req.unsettled:
             inst = failure.instance
             if inst is not None and inst not in counted:
                 counted.add(inst)
@@ -443,7 +450,7 @@ class Flow:
             and f.reason == failure.reason
             and f.instance is not failure.instance
             and (f.role == "prefill" or f.prefill is not failure.prefill)
-            for f in req.answered
+            for f in req.unsettled
         )
 
     async def _attempts(self, req: _Request) -> web.StreamResponse:
@@ -491,16 +498,16 @@ class Flow:
                 )
                 if not isinstance(result, Failure):
                     return result
-                if result.answered:
-                    if self._failed_alike(req, result):
-                        self._finish(req, "request_error")
-                        return error_response(
-                            result.status,
-                            f"The request failed the same way on two {result.role} "
-                            f"instances: {result.message}",
-                            req.request_id,
-                        )
-                    req.answered.append(result)
+                if result.answered and self._failed_alike(req, result):
+                    self._finish(req, "request_error")
+                    return error_response(
+                        result.status,
+                        f"The request failed the same way on two {result.role} "
+                        f"instances: {result.message}",
+                        req.request_id,
+                    )
+                if result.instance is not None:
+                    req.unsettled.append(result)
                 failure = result
                 reason = f"{result.role} failed: {result.message}"
                 avoid_p.add(prefill)
@@ -512,8 +519,8 @@ class Flow:
                 result = await self._decode_only(req, avoid_d, failure)
                 if not isinstance(result, Failure):
                     return result
-                if result.answered:
-                    req.answered.append(result)
+                if result.instance is not None:
+                    req.unsettled.append(result)
                 reason = f"decode-only fallback failed: {result.message}"
                 expired = result.reason == _TOTAL_TIMEOUT
         except asyncio.CancelledError:
@@ -601,7 +608,11 @@ class Flow:
                 if not pulled and attempt.prefill is not None and attempt.loads_kv:
                     self._abort(attempt.prefill, attempt.id, attempt.kv_params)
             if isinstance(result, Answer) and result.outcome == "ok":
-                req.served = True
+                req.served_by = (
+                    (attempt.decode,)
+                    if attempt.prefill is None
+                    else (attempt.prefill, attempt.decode)
+                )
             return self._result(req, attempt, result)
         finally:
             decode.in_flight -= 1
@@ -686,10 +697,11 @@ class Flow:
             if isinstance(exc, TimeoutError) and req.expired():
                 return self._leg_expired(prefill, attempt, "prefill")
             reason, message = _transport_failure("prefill", exc, timeout)
-            st.health.note(prefill, ok=False)
-            st.metrics.upstream_failures.labels("prefill", prefill.url, reason).inc()
             if reason == "prefill_timeout":  # it may still be prefilling
                 self._abort(prefill, attempt.id, None)
+                return self._timed_out("prefill", message, prefill)
+            st.health.note(prefill, ok=False)
+            st.metrics.upstream_failures.labels("prefill", prefill.url, reason).inc()
             return Failure(reason, message, "prefill")
         except asyncio.CancelledError:
             self._abort(prefill, attempt.id, None)
@@ -816,15 +828,9 @@ class Flow:
             if isinstance(exc, TimeoutError) and not isinstance(
                 exc, aiohttp.ClientError
             ):
-                st.health.note(decode, ok=False)
-                st.metrics.upstream_failures.labels(
-                    "decode", decode.url, "decode_timeout"
-                ).inc()
                 self._abort(decode, attempt.id, None)
-                return Failure(
-                    "decode_timeout",
-                    f"no first token within {first_token_s:.3g}s",
-                    "decode",
+                return self._timed_out(
+                    "decode", f"no first token within {first_token_s:.3g}s", decode
                 )
             return self._decode_transport_failure(decode, exc, st.stream_timeout)
         except asyncio.CancelledError:
@@ -903,8 +909,8 @@ class Flow:
             failure = (
                 _total_timeout("decode")
                 if req.expired()
-                else Failure(
-                    "decode_timeout", f"decode stream idle for {idle:.3g}s", "decode"
+                else self._timed_out(
+                    "decode", f"decode stream idle for {idle:.3g}s", decode
                 )
             )
         except aiohttp.ClientError as exc:
@@ -933,12 +939,12 @@ class Flow:
                 "decode_aborted", "decode aborted the request mid-stream", "decode"
             )
         if failure is not None:
-            if not failure.answered and failure.reason not in (
+            if failure.instance is None and failure.reason not in (
                 "kv_integrity",
                 _TOTAL_TIMEOUT,
             ):
-                # A broken connection, a stall or an abort says something
-                # about the instance: it counts now.
+                # A broken connection or an abort says something about the
+                # instance: it counts now.
                 st.health.note(decode, ok=False)
                 st.metrics.upstream_failures.labels(
                     "decode", decode.url, failure.reason
@@ -1105,7 +1111,11 @@ class Flow:
     def _decode_transport_failure(
         self, decode: Instance, exc: BaseException, timeout: aiohttp.ClientTimeout
     ) -> Failure:
+        """A decode's connection failure, counted now, or its timeout (see
+        ``_timed_out``)."""
         reason, message = _transport_failure("decode", exc, timeout)
+        if reason == "decode_timeout":
+            return self._timed_out("decode", message, decode)
         self.state.health.note(decode, ok=False)
         self.state.metrics.upstream_failures.labels("decode", decode.url, reason).inc()
         return Failure(reason, message, "decode")
@@ -1154,6 +1164,14 @@ class Flow:
             prefill=prefill,
             status=status,
         )
+
+    def _timed_out(self, role: str, message: str, instance: Instance) -> Failure:
+        """A leg that timed out on ``instance``, counted in the upstream
+        failures; against the instance only if another attempt serves the
+        request (see :class:`Failure`): the request may be slow everywhere."""
+        reason = f"{role}_timeout"
+        self.state.metrics.upstream_failures.labels(role, instance.url, reason).inc()
+        return Failure(reason, message, role, instance=instance)
 
     def _leg_expired(self, inst: Instance, attempt: Attempt, role: str) -> Failure:
         """A leg timed out because the request's total timeout ran out: it

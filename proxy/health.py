@@ -2,10 +2,12 @@
 
 Consecutive failures past ``unhealthy_threshold`` take an instance out;
 ``healthy_threshold`` passing probes bring it back. What counts is what says
-something about the instance: a failed probe, a connection failure or
-timeout, and a request that failed on it but not alike elsewhere (once per
-request; the flow decides, see ``Flow._serve``). An instance ejected for
-integrity failures returns only after its cooldown *and* a passing probe.
+something about the instance: a failed probe, a connection failure, and,
+once another attempt has served the request, a leg's timeout or a failure
+it answered that did not repeat elsewhere (once per request, never against
+an instance that served it; the flow decides, see ``Flow._settle``). An
+instance ejected for integrity failures returns only after its cooldown
+*and* a passing probe.
 An instance added to a serving proxy (admin API, reload) is probed before it
 joins, and takes traffic only once a probe passes, as a new DNS address does.
 """

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from aiohttp import web
 from proxy_helpers import StubEngine, make_config
 
 from proxy.config import ProxyConfig
@@ -157,3 +158,99 @@ async def test_the_backoff_ends_with_the_total_timeout(stubs):
         took = time.monotonic() - started
         assert resp.status == 504, await resp.text()
     assert took < 2.5  # not the 2.5-5 s backoff
+
+
+def _one_strike(prefills: list[StubEngine], decodes: list[StubEngine]) -> ProxyConfig:
+    """Quick leg timeouts, and one failure takes an instance out."""
+    return make_config(
+        [s.url for s in prefills],
+        [s.url for s in decodes],
+        timeouts={"prefill_s": 1.0, "decode_first_token_s": 1.0, "stream_idle_s": 1.0},
+        retry={"max_attempts": 2, "backoff_base_s": 0},
+        health={"interval_s": 30, "unhealthy_threshold": 1},
+    )
+
+
+async def test_a_prefill_slow_everywhere_takes_no_prefill_out(stubs):
+    # A prompt whose prefill outlasts prefill_s on any instance.
+    p1, p2 = await stubs(prefill_delay=30), await stubs(prefill_delay=30)
+    d = await stubs()
+    async with running_proxy(_one_strike([p1, p2], [d])) as px:
+        resp = await px.post("/v1/completions", {"prompt": "huge", "max_tokens": 2})
+        assert resp.status == 503, await resp.text()
+        prefills = px.state.pools_for("m").prefill.instances
+        assert all(p.healthy and p.consecutive_failures == 0 for p in prefills)
+        metrics = await px.metrics()
+    assert len(p1.requests) == len(p2.requests) == 1
+    # Still counted as what each prefill did, though against neither.
+    assert metric(metrics, "kvguard_proxy_upstream_failures_total") == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_first_token_slow_everywhere_takes_no_decode_out(stubs, stream):
+    p, d1, d2 = await stubs(), await stubs("hang"), await stubs("hang")
+    async with running_proxy(_one_strike([p], [d1, d2])) as px:
+        body = {"prompt": "huge", "max_tokens": 2, "stream": stream}
+        resp = await px.post("/v1/completions", body)
+        assert resp.status == 503, await resp.text()
+        decodes = px.state.pools_for("m").decode.instances
+        assert all(d.healthy and d.consecutive_failures == 0 for d in decodes)
+    assert len(d1.requests) == len(d2.requests) == 1
+
+
+async def test_a_decode_stream_slow_everywhere_takes_no_decode_out(stubs):
+    # A non-streaming request, collected from streams that stall on every decode.
+    p, d1, d2 = await stubs(), await stubs(chunk_delay=30), await stubs(chunk_delay=30)
+    async with running_proxy(_one_strike([p], [d1, d2])) as px:
+        resp = await px.post("/v1/completions", {"prompt": "huge", "max_tokens": 2})
+        assert resp.status == 503, await resp.text()
+        assert "idle" in (await resp.json())["error"]["message"]
+        decodes = px.state.pools_for("m").decode.instances
+        assert all(d.healthy and d.consecutive_failures == 0 for d in decodes)
+    assert len(d1.requests) == len(d2.requests) == 1
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_leg_timing_out_where_another_serves_the_request_counts_against_it(
+    stubs, leg
+):
+    slow = await stubs("hang", prefill_delay=30)  # stuck as either leg
+    good, other = await stubs(), await stubs()
+    pools = ([slow, good], [other]) if leg == "prefill" else ([other], [slow, good])
+    async with running_proxy(_one_strike(*pools)) as px:
+        for _ in range(2):  # round robin: one of the two tries the slow one
+            body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+            resp = await px.post("/v1/completions", body)
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        pool = getattr(px.state.pools_for("m"), leg)
+        healthy = {inst.url: inst.healthy for inst in pool.instances}
+    assert healthy == {slow.url: False, good.url: True}
+
+
+class _FailsOnce(StubEngine):
+    """A stub whose first reply is a 500; it serves every request after."""
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        resp = await super()._answer(request)
+        self.mode = "ok"
+        return resp
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_an_instance_that_served_the_request_is_not_counted_failed_for_it(
+    stubs, leg
+):
+    flaky = _FailsOnce(mode="error500")
+    await flaky.start()
+    try:
+        other = await stubs()
+        pools = ([flaky], [other]) if leg == "prefill" else ([other], [flaky])
+        async with running_proxy(_one_strike(*pools)) as px:
+            resp = await px.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert resp.status == 200, await resp.text()
+            (inst,) = getattr(px.state.pools_for("m"), leg).instances
+            assert inst.healthy and inst.consecutive_failures == 0
+    finally:
+        await flaky.stop()
+    assert len(flaky.requests) == 2  # failed once, then served
