@@ -13,12 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import pydantic
 
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
 KV_PARAMS = "kv_transfer_params"
 _TOO_DEEP = "Request body is nested too deeply"
+
+# vLLM reads a body into pydantic models in lax mode, where a ``bool | None``
+# field also takes "true", "yes", "on", "1", 1, 1.0 and their false twins.
+_vllm_bool = pydantic.TypeAdapter(bool | None).validate_python
 
 # What the proxy asks of the prefill (docs/wire.md, "Proxy → prefill").
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -85,11 +90,7 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", "model")
-    stream = obj.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
+    stream = _flag(obj, "stream")
     if route is Route.COMPLETIONS:
         prompt = obj.get("prompt")
         embeds = obj.get("prompt_embeds")
@@ -115,6 +116,21 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
     if dropped:
         raw = _encode(obj)
     return ClientRequest(raw, obj, model, stream, dropped)
+
+
+def _flag(obj: dict[str, Any], name: str) -> bool:
+    """``obj[name]`` as vLLM reads a ``bool | None`` field; absent or null is False.
+
+    Raises:
+        BadRequest: a value vLLM refuses too.
+    """
+    value = obj.get(name)
+    if isinstance(value, bool):
+        return value
+    try:
+        return bool(_vllm_bool(value))
+    except pydantic.ValidationError:
+        raise BadRequest(f"'{name}' must be a boolean", name) from None
 
 
 def _encode(obj: Any) -> bytes:

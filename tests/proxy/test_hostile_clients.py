@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import msgspec
 import pytest
 from multidict import CIMultiDict
-from proxy_helpers import make_config
+from proxy_helpers import expected_text, make_config, read_sse
 
 from proxy.testing import running_proxy
 
@@ -251,3 +251,51 @@ async def test_clients_that_never_send_their_body_lock_nobody_out(stubs):
         waited = asyncio.get_running_loop().time() - started
         assert waited < 3  # the body wait is bounded
         assert px.state.in_flight == 0
+
+
+# ------------------------------------------------- stream, as vLLM reads it
+
+
+# vLLM's request models are pydantic models in lax mode: ``stream: bool |
+# None`` takes these, and refuses the values below.
+STREAM_VALUES = [
+    ("true", True),
+    ("Yes", True),
+    ("on", True),
+    ("1", True),
+    (1, True),
+    (1.0, True),
+    ("false", False),
+    ("OFF", False),
+    ("n", False),
+    (0, False),
+    (None, False),
+]
+
+
+async def test_stream_is_read_as_vllms_request_models_read_it(stubs):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        for value, streams in STREAM_VALUES:
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": value})
+            assert resp.status == 200, (value, await resp.text())
+            content_type = resp.headers["Content-Type"]
+            if streams:
+                text, errors = await read_sse(resp)
+                assert errors == []
+            else:
+                text = (await resp.json())["choices"][0]["text"]
+            assert text == expected_text("hi", 4), value
+            assert content_type.startswith(
+                "text/event-stream" if streams else "application/json"
+            ), value
+
+
+async def test_a_stream_value_vllm_refuses_is_a_400_in_openai_error_json(stubs):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        for value in ["maybe", "", " true", "true ", 2, -1, 0.5, [], {}, [True]]:
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": value})
+            error = assert_openai_error(resp.status, resp.headers, await resp.read())
+            assert (resp.status, error["param"]) == (400, "stream"), value
+    assert p.requests == d.requests == []

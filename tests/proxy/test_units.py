@@ -464,7 +464,7 @@ def test_scanner_verdict_does_not_depend_on_chunking(payload, size):
         (b"[1]", Route.COMPLETIONS, "JSON object"),
         (b'{"prompt": 5}', Route.COMPLETIONS, "'prompt'"),
         (b'{"messages": []}', Route.CHAT, "'messages'"),
-        (b'{"prompt": "x", "stream": "yes"}', Route.COMPLETIONS, "'stream'"),
+        (b'{"prompt": "x", "stream": "maybe"}', Route.COMPLETIONS, "'stream'"),
         (b'{"prompt": "x", "model": 3}', Route.COMPLETIONS, "'model'"),
     ],
 )
