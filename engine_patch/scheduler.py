@@ -147,6 +147,11 @@ class KVChecksumScheduler:
         ):
             self._remote_prefills.add(request.request_id)
 
+    def expects_load(self, request: Request) -> bool:
+        """Whether ``request`` is a consumer whose load from its producer has
+        not started: the load :meth:`add_recv` checksums."""
+        return request.request_id in self._remote_prefills
+
     def on_unverifiable_load(self, request: Request, reason: UnverifiedReason) -> bool:
         """Note that a consumer request's coming load from its producer cannot
         be checksummed (e.g. ``SYNC_LOAD``: its connector loads it inside the

@@ -191,13 +191,25 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.use_same_step_verdicts()
         self._log_mode()
 
-    def verify_finished_loads(self, connector_output: KVConnectorOutput) -> None:
+    def verify_finished_loads(
+        self,
+        connector_output: KVConnectorOutput,
+        scheduler_output: SchedulerOutput | None = None,
+    ) -> None:
         """Verify the step's finished loads before vLLM reads its failed ones:
         each load that fails verification (fail-closed) is added to
-        ``connector_output.failed_recving``. ``update_connector_output``,
-        called later with the same output, does not verify them again."""
+        ``connector_output.failed_recving``, or, for a load the inner
+        connector made in the forward of ``scheduler_output``'s step, its
+        blocks to ``invalid_block_ids``. ``update_connector_output``, called
+        later with the same output, does not verify them again."""
         assert self._scheduler is not None
-        self._scheduler.verify_finished_loads(connector_output)
+        meta = (
+            None if scheduler_output is None else scheduler_output.kv_connector_metadata
+        )
+        sync_loads = (
+            meta.sync_loads if isinstance(meta, KVGuardConnectorMetadata) else []
+        )
+        self._scheduler.verify_finished_loads(connector_output, sync_loads)
 
     # ==============================
     # Class methods: the inner connector's, from the config.
@@ -318,6 +330,7 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
                 connector_metadata.checksums,
                 connector_metadata.verdicts,
                 hold_loads=connector_metadata.hold_loads,
+                sync_loads=connector_metadata.sync_loads,
             )
         else:
             # The inner connector's alone: nothing of KVGuard's this step.
@@ -456,13 +469,15 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         steps that have some for the workers: vLLM pickles the metadata to
         its workers every step, and most steps have nothing of KVGuard's."""
         assert self._scheduler is not None
-        checksums, verdicts = self._scheduler.build_meta(scheduler_output)
+        checksums, verdicts, sync_loads = self._scheduler.build_meta(scheduler_output)
         inner = self._inner.build_connector_meta(scheduler_output)
         hold_loads = self._scheduler.hold_loads
         if checksums is None and not verdicts and hold_loads == self._hold_loads_sent:
             return inner
         self._hold_loads_sent = hold_loads
-        return KVGuardConnectorMetadata(inner, hold_loads, checksums, verdicts)
+        return KVGuardConnectorMetadata(
+            inner, hold_loads, checksums, verdicts, sync_loads
+        )
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None

@@ -33,13 +33,16 @@ class KVGuardConnectorMetadata(KVConnectorMetadata):
     ``hold_loads``: whether the workers hold each finished load back from
     vLLM until its verdict (fail-closed without KVGuard's scheduler class,
     which verifies loads in the step that reports them). ``verdicts``: per
-    held load the scheduler verified, whether it failed.
+    held load the scheduler verified, whether it failed. ``sync_loads``:
+    loads among ``checksums.reqs_to_recv`` the inner connector makes inside
+    this step's forward (``load_kv_async=False``), checksummed after it.
     """
 
     inner: KVConnectorMetadata
     hold_loads: bool
     checksums: KVChecksumScheduled | None = None
     verdicts: dict[str, bool] = field(default_factory=dict)
+    sync_loads: list[str] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         checksums = self.checksums
@@ -48,6 +51,7 @@ class KVGuardConnectorMetadata(KVConnectorMetadata):
             self.hold_loads,
             None if checksums is None else encode_scheduled(checksums),
             self.verdicts,
+            self.sync_loads,
         )
 
 
@@ -56,6 +60,7 @@ def _connector_metadata(
     hold_loads: bool,
     checksums: bytes | None,
     verdicts: dict[str, bool],
+    sync_loads: list[str],
 ) -> KVGuardConnectorMetadata:
     """Unpickles :class:`KVGuardConnectorMetadata`."""
     return KVGuardConnectorMetadata(
@@ -63,6 +68,7 @@ def _connector_metadata(
         hold_loads,
         None if checksums is None else decode_scheduled(checksums),
         verdicts,
+        sync_loads,
     )
 
 

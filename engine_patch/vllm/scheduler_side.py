@@ -167,6 +167,17 @@ class KVGuardSchedulerSide:
         self._outcomes = False
         # Time in KVGuard's scheduler-side code since the last stats.
         self._seconds = 0.0
+        # Consumer loads the inner connector makes synchronously, inside the
+        # forward of the step that schedules them: verified in that step's
+        # update_from_output by the scheduler class, where vLLM takes a failed
+        # one as invalid blocks (a single KV cache group only). Requests
+        # allowed one, and loads started since the last metadata.
+        self._sync_allowed: set[str] = set()
+        self._sync_started: list[str] = []
+        groups = kv_cache_config.kv_cache_groups
+        self._sync_block_size = (
+            groups[0].kv_cache_spec.block_size if len(groups) == 1 else None
+        )
 
     @property
     def enabled(self) -> bool:
@@ -233,11 +244,24 @@ class KVGuardSchedulerSide:
             self._num_local_tokens[request.request_id] = num_computed_tokens
 
     def refuses_sync_load(self, request: Request) -> bool:
-        """Whether the load the inner connector would make synchronously
-        (inside the forward that uses the KV, so no verdict can come first)
-        must not happen: a consumer's load from its producer, fail-closed.
-        Such loads are counted unverified in both modes."""
+        """Whether a load the inner connector would make synchronously
+        (inside the forward that uses the KV) must not happen.
+
+        With KVGuard's scheduler class and one KV cache group, a consumer's
+        such load from its producer goes ahead and is verified in the
+        ``update_from_output`` of its step, a failed one becoming invalid
+        blocks, which vLLM recomputes or fails by ``kv_load_failure_policy``
+        before the step's token is used. Otherwise no verdict can count: it
+        is counted unverified, and refused fail-closed.
+        """
         if self._checksums is None:
+            return False
+        if (
+            self._same_step
+            and self._sync_block_size is not None
+            and self._checksums.expects_load(request)
+        ):
+            self._sync_allowed.add(request.request_id)
             return False
         self._outcomes = True
         return self._checksums.on_unverifiable_load(request, UnverifiedReason.SYNC_LOAD)
@@ -261,19 +285,24 @@ class KVGuardSchedulerSide:
         )
         self._loads_started = True
         self._loading[request.request_id] = (request, num_local)
+        if request.request_id in self._sync_allowed:
+            self._sync_allowed.discard(request.request_id)
+            self._sync_started.append(request.request_id)
 
     def build_meta(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
-        """The step's checksums for the workers, and the verdicts they wait for.
+    ) -> tuple[KVChecksumScheduled | None, dict[str, bool], list[str]]:
+        """The step's checksums for the workers, the verdicts they wait for,
+        and the loads the step's forward makes (``refuses_sync_load``).
 
         Runs before vLLM counts the step's tokens in ``num_computed_tokens``.
         """
         if self._checksums is None or not (
             self._producers or self._loads_started or self._loads.verdicts
         ):
-            return None, {}
-        return self._build_meta(scheduler_output)
+            return None, {}, []
+        sync, self._sync_started = self._sync_started, []
+        return (*self._build_meta(scheduler_output), sync)
 
     @_timed
     def _build_meta(
@@ -318,19 +347,29 @@ class KVGuardSchedulerSide:
         producer = self._producers.pop(request.request_id, None) is not None
         self._num_local_tokens.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
+        self._sync_allowed.discard(request.request_id)
         self._finished.append(_Finished(request, kv_transfer_params, producer))
 
-    def verify_finished_loads(self, output: KVConnectorOutput) -> None:
+    def verify_finished_loads(
+        self, output: KVConnectorOutput, sync_loads: Collection[str] = ()
+    ) -> None:
         """Same-step verdicts (KVGuard's scheduler class, before vLLM reads
         the step's failed loads): verify the loads in ``finished_recving``
-        and add each one that fails to ``failed_recving``, in place."""
+        and add each one that fails to ``failed_recving``, and the step's
+        ``sync_loads`` (made in its forward), each failed one's loaded blocks
+        to ``invalid_block_ids``; in place."""
         if self._checksums is None:
             return
         self._verified = output
         meta = output.kv_connector_worker_meta
-        if meta is not None or output.finished_recving or output.failed_recving:
+        if (
+            meta is not None
+            or output.finished_recving
+            or output.failed_recving
+            or sync_loads
+        ):
             assert meta is None or isinstance(meta, KVGuardWorkerMetadata)
-            self._take_output(output, meta)
+            self._take_output(output, meta, sync_loads)
 
     def on_step_output(
         self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
@@ -348,7 +387,10 @@ class KVGuardSchedulerSide:
 
     @_timed
     def _take_output(
-        self, output: KVConnectorOutput, meta: KVGuardWorkerMetadata | None
+        self,
+        output: KVConnectorOutput,
+        meta: KVGuardWorkerMetadata | None,
+        sync_loads: Collection[str] = (),
     ) -> None:
         assert self._checksums is not None
         records: list[KVChecksumRecord] = []
@@ -365,18 +407,25 @@ class KVGuardSchedulerSide:
                     complete.add(req_id)
         # vLLM already failed these: nothing to verify, the state is dropped.
         failed_by_inner = set(output.failed_recving or ())
+        sync = set(sync_loads)
         if self._same_step:
             complete = set(output.finished_recving or ()) - failed_by_inner
+            complete |= sync
         self._checksums.update_from_output(
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
         self._outcomes = True
         failed = self._checksums.take_load_failures()
-        self._keep_out_of_prefix_cache(complete, failed.keys() | failed_by_inner)
+        invalid = [self._loaded_block_ids(r) for r in failed.keys() & sync]
+        self._keep_out_of_prefix_cache(complete, failed.keys() | failed_by_inner, sync)
         if self._same_step:
             # Still in finished_recving: vLLM releases the request from its
             # wait and applies kv_load_failure_policy.
-            output.failed_recving.update(failed)
+            output.failed_recving.update(failed.keys() - sync)
+            # Loaded in this step's forward: vLLM drops the step's token and
+            # recomputes or fails the request from its first invalid block.
+            for block_ids in invalid:
+                output.invalid_block_ids.update(block_ids)
         elif self._checksums.fail_closed:
             # The workers hold these loads until they hear.
             for req_id in complete:
@@ -385,19 +434,41 @@ class KVGuardSchedulerSide:
             self._failed_loads[req_id] = message
             logger.error("KVGuard fails the KV load (fail-closed). %s.", message)
 
-    def _keep_out_of_prefix_cache(self, verified: set[str], failed: set[str]) -> None:
+    def _loaded_block_ids(self, req_id: str) -> list[int]:
+        """The blocks a synchronous load wrote (one KV cache group): those
+        from its first loaded token on."""
+        assert self._kv_cache_manager is not None
+        assert self._sync_block_size is not None
+        load = self._loading.get(req_id)
+        if load is None:
+            return []
+        _, first_loaded_token = load
+        (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)
+        return block_ids[first_loaded_token // self._sync_block_size :]
+
+    def _keep_out_of_prefix_cache(
+        self, verified: set[str], failed: set[str], sync: set[str]
+    ) -> None:
         """No other request may reuse a fail-open load's mismatched KV, nor a
         load's blocks holding tokens that were not compared. Runs before vLLM
         caches the step's finished loads (in the next ``schedule``); vLLM
-        never caches a ``failed`` load (it recomputes or fails it)."""
+        never caches a ``failed`` load (it recomputes or fails it). A ``sync``
+        load's blocks vLLM cached when it allocated them: they are evicted."""
         assert self._checksums is not None
         mismatched = self._checksums.take_mismatched_loads()
         uncompared = self._checksums.take_uncompared_blocks()
         if not self._loading:
             return
         for req_id in verified | failed:
+            if (
+                req_id in sync
+                and req_id not in failed
+                and (req_id in mismatched or req_id in uncompared)
+            ):
+                assert self._kv_cache_manager is not None
+                self._kv_cache_manager.evict_blocks(set(self._loaded_block_ids(req_id)))
             load = self._loading.pop(req_id, None)
-            if load is None or req_id in failed:
+            if load is None or req_id in failed or req_id in sync:
                 continue
             assert self._kv_cache_manager is not None
             request, first_loaded_token = load

@@ -104,6 +104,9 @@ class KVGuardWorker:
         self._held: dict[str, float] = {}
         self._verdicts: dict[str, bool] = {}
         self._finished_loads: list[str] = []
+        # Loads the inner connector makes in this step's forward: checksummed
+        # after it, with the step's finished loads.
+        self._sync_loads: list[str] = []
         # Whether this step checksums anything (sends or loads).
         self._busy = False
         self._bytes = 0
@@ -189,9 +192,11 @@ class KVGuardWorker:
         verdicts: Mapping[str, bool],
         *,
         hold_loads: bool | None = None,
+        sync_loads: Iterable[str] = (),
     ) -> None:
-        """Take the scheduler's checksums and verdicts for this step, and
-        whether finished loads wait for their verdicts (None: as before)."""
+        """Take the scheduler's checksums and verdicts for this step, whether
+        finished loads wait for their verdicts (None: as before), and the
+        loads the inner connector makes in this step's forward."""
         if hold_loads is not None and hold_loads != self._hold:
             self._hold = hold_loads
             logger.info(
@@ -205,6 +210,7 @@ class KVGuardWorker:
         if self._checksums is None:
             return
         self._busy = False
+        self._sync_loads = list(sync_loads)
         if scheduled is not None:
             self._loads.update(scheduled.reqs_to_recv)
             self._loads.update(scheduled.reqs_to_load)
@@ -231,6 +237,9 @@ class KVGuardWorker:
         if self._checksums is not None and (self._loads or self._hold):
             finished = results.finished_recving - results.failed_recving
             done = [req_id for req_id in finished if req_id in self._loads]
+            # Made in this step's forward, now over: never in finished_recving.
+            done += [r for r in self._sync_loads if r in self._loads]
+            self._sync_loads = []
             for req_id in results.failed_recving:
                 # The inner connector failed it here: vLLM handles it,
                 # unchecked. Still reported, so that the scheduler's count of

@@ -48,6 +48,7 @@ class StubKernel:
     def __init__(self) -> None:
         self.sends: dict[str, Any] = {}
         self.ready: object | None = None
+        self.loads_checksummed: list[str] = []
 
     def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
         self.sends = dict(scheduled.reqs_to_send) if scheduled else {}
@@ -57,7 +58,7 @@ class StubKernel:
             self.ready, self.sends = RECORD, {}
 
     def on_loads_finished(self, done: list[str]) -> None:
-        pass
+        self.loads_checksummed += done
 
     def request_finished(self, req_ids: set[str]) -> None:
         pass
@@ -75,6 +76,7 @@ def stub_worker() -> KVGuardWorker:
     worker._layers, worker._block_bytes = [], {}
     worker._loads, worker._held, worker._verdicts = {}, {}, {}
     worker._finished_loads = []
+    worker._sync_loads = []
     worker._busy, worker._bytes, worker._seconds = False, 0, 0.0
     worker._hold_seconds, worker._num_held = 0.0, 0
     return worker
@@ -100,6 +102,7 @@ def run_step(
                 meta.checksums if scheduled else None,
                 meta.verdicts,
                 hold_loads=meta.hold_loads,
+                sync_loads=meta.sync_loads,
             )
         else:  # nothing of KVGuard's this step
             worker.begin_step(None, {})
@@ -170,6 +173,30 @@ def test_a_finished_load_a_worker_was_not_told_of_waits_for_its_verdict() -> Non
         sched.requests["r1"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
     )
     assert not workers[0]._held
+
+
+def test_a_load_made_in_the_steps_forward_is_checksummed_after_it() -> None:
+    worker = stub_worker()
+    blocks = KVChecksumBlocks(96, {0: (0, [1, 2, 3])})
+    worker.begin_step(
+        KVChecksumScheduled(reqs_to_recv={"r1": blocks}),
+        {},
+        hold_loads=False,
+        sync_loads=["r1"],
+    )
+    # The inner connector never reports a synchronous load as finished.
+    results = KVConnectorTransferResults()
+    worker.on_transfer_results(results, set())
+    kernel = worker._checksums
+    assert isinstance(kernel, StubKernel)
+    assert kernel.loads_checksummed == ["r1"]
+    assert not results.finished_recving and not results.failed_recving
+    report = worker.take_report()
+    assert report is not None and report.finished_loads == ["r1"]
+    # Once: the next step has it no more.
+    worker.begin_step(None, {})
+    worker.on_transfer_results(KVConnectorTransferResults(), set())
+    assert kernel.loads_checksummed == ["r1"]
 
 
 def _connector() -> KVGuardConnector:
