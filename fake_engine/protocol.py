@@ -4,6 +4,7 @@ them), response and stream chunk bodies, and vLLM's error JSON."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -41,6 +42,21 @@ class RequestError(ValueError):
         self.param = param
         self.err_type = err_type
         self.status = status
+
+
+def vllm_validation_error(
+    message: str, param: str | None = None, value: Any = None
+) -> RequestError:
+    """vLLM's ``VLLMValidationError`` as its server answers it: the message
+    ends with the parameter and value (``VLLMValidationError.__str__``, which
+    ``create_error_response`` sends)."""
+    extras = []
+    if param is not None:
+        extras.append(f"parameter={param}")
+    if value is not None:
+        extras.append(f"value={value}")
+    text = f"{message} ({', '.join(extras)})" if extras else message
+    return RequestError(text, param=param)
 
 
 def error_body(
@@ -92,7 +108,7 @@ class StreamOptions(_OpenAIModel):
 
 def _check_stream_options(data: Any) -> Any:
     if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
-        raise RequestError(
+        raise vllm_validation_error(
             "Stream options can only be defined when `stream=True`.",
             param="stream_options",
         )
@@ -149,10 +165,9 @@ class _GenerateRequest(_OpenAIModel):
                 param="use_beam_search",
             )
         if self.min_tokens < 0:
-            raise RequestError(
-                "min_tokens must be greater than or equal to 0, "
-                f"got {self.min_tokens}.",
-                param="min_tokens",
+            # SamplingParams._verify_args names no parameter here.
+            raise vllm_validation_error(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
 
     @property
@@ -198,7 +213,7 @@ class CompletionRequest(_GenerateRequest):
             data = {**data, "max_tokens": 16}
         prompt = data.get("prompt")
         if prompt is None or prompt == "" or prompt == []:
-            raise RequestError(
+            raise vllm_validation_error(
                 "Either prompt or prompt_embeds must be provided and non-empty.",
                 param="prompt",
             )
@@ -290,6 +305,12 @@ def _clean_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(["body", *parts])
 
 
+# The type of vLLM's answer to a body FastAPI cannot validate (schema, JSON,
+# media type): validation_exception_handler uses the status phrase, where
+# vLLM's own errors say "BadRequestError".
+VALIDATION_ERROR_TYPE = HTTPStatus.BAD_REQUEST.phrase
+
+
 def _summarize(value: Any) -> Any:
     if isinstance(value, str):
         return value if len(value) <= 200 else value[:200] + "...[truncated]"
@@ -300,8 +321,10 @@ def _summarize(value: Any) -> Any:
 
 def validation_error(exc: ValidationError) -> RequestError:
     """vLLM's answer to a body that fails validation: "N validation
-    errors:" and each error; ``param`` from a vLLM error or the first
-    error's location."""
+    errors:" and each error, typed "Bad Request"; ``param`` from the first
+    error's location. A vLLM error raised while validating is answered as
+    it is (vLLM's ``VLLMValidationError`` is no ``ValueError``: pydantic
+    lets it through to vLLM's own handler)."""
     errors = exc.errors(include_url=False)
     for error in errors:
         ctx_error = (error.get("ctx") or {}).get("error")
@@ -322,7 +345,7 @@ def validation_error(exc: ValidationError) -> RequestError:
     if count > 10:
         message += f"\n  ...and {count - 10} more {label}"
     param = _clean_loc(tuple(errors[0]["loc"])) if errors else None
-    return RequestError(message, param=param)
+    return RequestError(message, param=param, err_type=VALIDATION_ERROR_TYPE)
 
 
 def json_error(position: int, reason: str) -> RequestError:
@@ -331,10 +354,14 @@ def json_error(position: int, reason: str) -> RequestError:
         "type": "json_invalid",
         "loc": f"body.{position}",
         "msg": "JSON decode error",
-        "input": {},
+        "input": _summarize({}),
         "ctx": {"error": reason},
     }
-    return RequestError(f"1 validation error:\n  {entry}", param=f"body.{position}")
+    return RequestError(
+        f"1 validation error:\n  {entry}",
+        param=f"body.{position}",
+        err_type=VALIDATION_ERROR_TYPE,
+    )
 
 
 # --- Responses --------------------------------------------------------------
@@ -354,6 +381,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
+# The vLLM release the fake engine answers as.
+VLLM_VERSION = "0.32.0"
+
+
+def system_fingerprint(tp_size: int, config_key: str) -> str:
+    """vLLM's default (``--fingerprint-mode full``) ``system_fingerprint``:
+    version, TP size beyond 1, and 8 hex digits of a hash of the engine's
+    config (``config_key`` here, ``VllmConfig.compute_hash`` in vLLM)."""
+    parts = [f"vllm-{VLLM_VERSION}"]
+    if tp_size > 1:
+        parts.append(f"tp{tp_size}")
+    parts.append(hashlib.sha256(config_key.encode()).hexdigest()[:8])
+    return "-".join(parts)
+
+
 def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """Usage in a stream's chunks (vLLM drops its None fields there)."""
     return {
@@ -371,7 +413,8 @@ class ResponseBuilder:
 
     ``echo`` (completions) is the prompt's text, put before the answer's.
     ``continuous_usage`` puts usage in every chunk, ``include_usage`` a usage
-    chunk at the end (``stream_options``).
+    chunk at the end (``stream_options``). ``system_fingerprint`` goes in
+    the whole response and in a stream's last chunk.
     """
 
     chat: bool
@@ -382,6 +425,7 @@ class ResponseBuilder:
     continuous_usage: bool = False
     include_usage: bool = False
     echo: str = ""
+    system_fingerprint: str | None = None
     # A stream's chunks all carry the time it started.
     created: int = field(default_factory=now)
 
@@ -404,7 +448,11 @@ class ResponseBuilder:
     def _stream_usage(self, num_output: int) -> dict[str, Any] | None:
         if not self.continuous_usage:
             return None
-        return stream_usage(len(self.prompt_token_ids), num_output)
+        chunk_usage = stream_usage(len(self.prompt_token_ids), num_output)
+        if self.chat:
+            # vLLM's chat stream sets it (None without reasoning tokens).
+            chunk_usage["completion_tokens_details"] = None
+        return chunk_usage
 
     def response(
         self,
@@ -442,7 +490,7 @@ class ResponseBuilder:
         body = self._head(self._object, now())
         body["choices"] = [choice]
         body["service_tier"] = None
-        body["system_fingerprint"] = None
+        body["system_fingerprint"] = self.system_fingerprint
         body["usage"] = usage(len(self.prompt_token_ids), len(token_ids))
         if self.chat:
             body["prompt_logprobs"] = None
@@ -507,6 +555,9 @@ class ResponseBuilder:
         chunk["choices"] = [choice]
         if (chunk_usage := self._stream_usage(num_output)) is not None:
             chunk["usage"] = chunk_usage
+        last = finish_reason is not None and not self.include_usage
+        if last and self.system_fingerprint is not None:
+            chunk["system_fingerprint"] = self.system_fingerprint
         return chunk
 
     def usage_chunk(self, num_output: int) -> dict[str, Any] | None:
@@ -516,6 +567,8 @@ class ResponseBuilder:
         chunk = self._head(self._chunk_object, self.created)
         chunk["choices"] = []
         chunk["usage"] = stream_usage(len(self.prompt_token_ids), num_output)
+        if self.system_fingerprint is not None:
+            chunk["system_fingerprint"] = self.system_fingerprint
         return chunk
 
 

@@ -15,9 +15,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine_patch.log import get_logger
-from fake_engine.config import FaultConfig, FaultKind, FaultSide
+from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
 from fake_engine.protocol import (
+    VALIDATION_ERROR_TYPE,
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
@@ -27,9 +28,11 @@ from fake_engine.protocol import (
     models_response,
     now,
     parse_request,
+    system_fingerprint,
     validation_error,
+    vllm_validation_error,
 )
-from fake_engine.request import EngineRequest, SamplingOptions
+from fake_engine.request import EngineRequest, RequestOutput, SamplingOptions
 from fake_engine.tokenizer import (
     VOCAB_SIZE,
     ChatTemplateError,
@@ -72,6 +75,29 @@ def _sse(body: Any) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+
+
+def _shows_nothing(out: RequestOutput, num_output: int, *, echoes: bool) -> bool:
+    """Whether a stream skips ``out``: no text and no tokens while none were
+    output yet (``num_output`` counts ``out``'s), and no echo to send. vLLM's
+    stream generators skip such an output even when it finishes the request
+    (one aborted before its first token): its stream then has no choice chunk."""
+    return not out.text and num_output == 0 and not echoes
+
+
+def _fingerprint(config: EngineConfig) -> str:
+    """The engine's ``system_fingerprint``: it changes with what vLLM's config
+    hash covers (the model, its shape and cache), not with faults or ids."""
+    key = (
+        config.model,
+        config.layers,
+        config.kv_heads,
+        config.head_size,
+        config.dtype,
+        config.block_size,
+        config.max_model_len,
+    )
+    return system_fingerprint(config.tp_size, repr(key))
 
 
 class FaultUpdate(BaseModel):
@@ -121,6 +147,7 @@ class EngineServer:
             ]
         )
         self._runner: web.AppRunner | None = None
+        self.system_fingerprint = _fingerprint(engine.config)
 
     async def start(
         self, host: str, port: int, advertise_host: str | None = None
@@ -153,8 +180,11 @@ class EngineServer:
             body = parse_request(CompletionRequest, await self._read_json(request))
             body.check_supported()
             self._check_model(body.model)
+            self._check_output_budget(body.max_tokens, "max_tokens")
             prompt_ids = self._completion_prompt(body.prompt)
-            max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens)
+            max_tokens = self._max_tokens(
+                len(prompt_ids), body.max_tokens, from_text=isinstance(body.prompt, str)
+            )
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
@@ -176,6 +206,13 @@ class EngineServer:
             body = parse_request(ChatCompletionRequest, await self._read_json(request))
             body.check_supported()
             self._check_model(body.model)
+            budget_param = (
+                "max_completion_tokens"
+                if body.max_completion_tokens is not None
+                else "max_tokens"
+            )
+            requested = getattr(body, budget_param)
+            self._check_output_budget(requested, budget_param)
             try:
                 prompt = apply_chat_template(
                     [m.model_dump(exclude_none=True) for m in body.messages],
@@ -185,12 +222,7 @@ class EngineServer:
             except ChatTemplateError as e:
                 raise RequestError(str(e), param="messages") from None
             prompt_ids = encode(prompt)
-            requested = (
-                body.max_completion_tokens
-                if body.max_completion_tokens is not None
-                else body.max_tokens
-            )
-            max_tokens = self._max_tokens(len(prompt_ids), requested)
+            max_tokens = self._max_tokens(len(prompt_ids), requested, from_text=True)
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
@@ -318,7 +350,8 @@ class EngineServer:
         if request.content_type != "application/json":
             raise RequestError(
                 "1 validation error:\n  Unsupported Media Type: Only "
-                "'application/json' is allowed"
+                "'application/json' is allowed",
+                err_type=VALIDATION_ERROR_TYPE,
             )
         data = await request.read()
         try:
@@ -363,28 +396,66 @@ class EngineServer:
                 "Either prompt or prompt_embeds must be provided and non-empty.",
                 param="prompt",
             )
-        for token_id in ids:
-            if token_id >= VOCAB_SIZE:
-                raise RequestError(
-                    f"Token id {token_id} is out of vocabulary", param="prompt"
-                )
+        if ids and (largest := max(ids)) >= VOCAB_SIZE:
+            # vLLM's Renderer.validate_token_ids reports the largest id.
+            raise vllm_validation_error(
+                f"Token id {largest} is out of vocabulary", param="prompt"
+            )
         return ids
 
-    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+    def _check_output_budget(self, requested: int | None, param: str) -> None:
+        """Refuse an output budget above max_model_len, as vLLM's
+        ``TokenizeParams`` does before tokenizing (a smaller one that the
+        prompt leaves no room for is clamped by :meth:`_max_tokens`).
+
+        Raises:
+            RequestError: If ``requested`` exceeds max_model_len.
+
+        """
+        max_model_len = self.engine.config.max_model_len
+        if requested is not None and requested > max_model_len:
+            raise vllm_validation_error(
+                f"{param}={requested} cannot be greater than "
+                f"max_model_len={max_model_len}. Please request fewer output tokens.",
+                param=param,
+                value=requested,
+            )
+
+    def _max_tokens(
+        self, num_prompt_tokens: int, requested: int | None, *, from_text: bool
+    ) -> int:
+        """The request's output budget, as vLLM's ``get_max_tokens`` clamps it.
+
+        ``from_text``: the prompt was text, which vLLM tokenizes to at most
+        max_model_len + 1 tokens (so it counts "at least" that many).
+
+        Raises:
+            RequestError: If the prompt is too long or leaves no room.
+
+        """
         max_model_len = self.engine.config.max_model_len
         if num_prompt_tokens > max_model_len:
-            raise RequestError(
+            count = (
+                min(num_prompt_tokens, max_model_len + 1)
+                if from_text
+                else num_prompt_tokens
+            )
+            qualifier = "at least " if count == max_model_len + 1 else ""
+            raise vllm_validation_error(
                 f"This model's maximum context length is {max_model_len} tokens. "
-                f"However, your prompt contains {num_prompt_tokens} input tokens, "
+                f"However, your prompt contains {qualifier}{count} input tokens, "
                 "which exceeds this limit even without any output tokens. Please "
                 "reduce the length of the input prompt.",
                 param="input_tokens",
+                value=count,
             )
         available = max_model_len - num_prompt_tokens
         value = available if requested is None else min(requested, available)
         if value < 1:
-            raise RequestError(
-                f"max_tokens must be at least 1, got {value}.", param="max_tokens"
+            raise vllm_validation_error(
+                f"max_tokens must be at least 1, got {value}.",
+                param="max_tokens",
+                value=value,
             )
         return value
 
@@ -431,6 +502,7 @@ class EngineServer:
             continuous_usage=body.continuous_usage,
             include_usage=body.include_usage,
             echo=echo,
+            system_fingerprint=self.system_fingerprint,
         )
 
     def _submit(self, engine_request: EngineRequest) -> RequestError | None:
@@ -506,10 +578,12 @@ class EngineServer:
             await response.prepare(request)
             first = True
             num_output = 0
+            role_chunk = builder.role_chunk()
             while True:
                 out = await engine_request.outputs.get()
-                if first and (role_chunk := builder.role_chunk()) is not None:
+                if role_chunk is not None:
                     await response.write(_sse(role_chunk))
+                    role_chunk = None
                 if out.finish_reason == "error":
                     status = HTTPStatus.INTERNAL_SERVER_ERROR
                     message = out.error or "Internal server error"
@@ -517,16 +591,19 @@ class EngineServer:
                     await response.write(_sse(body))
                     break
                 num_output += len(out.token_ids)
-                chunk = builder.chunk(
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    token_ids=out.token_ids,
-                    first=first,
-                    num_output=num_output,
-                )
-                await response.write(_sse(chunk))
-                first = False
+                if not _shows_nothing(
+                    out, num_output, echoes=first and bool(builder.echo)
+                ):
+                    chunk = builder.chunk(
+                        text=out.text,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                        token_ids=out.token_ids,
+                        first=first,
+                        num_output=num_output,
+                    )
+                    await response.write(_sse(chunk))
+                    first = False
                 if out.finished:
                     if (usage := builder.usage_chunk(num_output)) is not None:
                         await response.write(_sse(usage))

@@ -1,0 +1,286 @@
+"""The fake engine answers as vLLM 0.32's OpenAI server does where a proxy or
+a demo user can tell: refused output budgets, the message and ``param`` of
+vLLM's own validation errors, and streams of requests that end before any
+output. Each test names the vLLM code it follows."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from fake_engine_helpers import (
+    CHAT,
+    COMPLETIONS,
+    PROMPT,
+    chat_body,
+    completion_body,
+    post,
+    stream,
+)
+
+from fake_engine.testing import EngineSpec, fake_engines
+
+MAX_MODEL_LEN = 256
+
+Body = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+@pytest.fixture
+async def url():
+    async with fake_engines(EngineSpec(max_model_len=MAX_MODEL_LEN)) as urls:
+        yield urls[0]
+
+
+def vllm_error(answer: dict, err_type: str, param: str | None) -> str:
+    """The message of vLLM's error JSON, after checking its type and param."""
+    assert list(answer) == ["error"]
+    error = answer["error"]
+    assert (error["type"], error["code"], error["param"]) == (err_type, 400, param)
+    message = error["message"]
+    assert isinstance(message, str)
+    return message
+
+
+# vllm/renderers/params.py TokenizeParams.__post_init__: an output budget
+# above max_model_len is refused (below it, get_max_tokens clamps it).
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        (COMPLETIONS, "max_tokens", completion_body),
+        (CHAT, "max_tokens", chat_body),
+        (CHAT, "max_completion_tokens", chat_body),
+    ],
+)
+async def test_output_budget_above_max_model_len_is_refused_with_its_param(
+    session: aiohttp.ClientSession, url: str, path: str, field: str, body: Body
+) -> None:
+    request = body(**{field: MAX_MODEL_LEN + 1})
+    if field == "max_completion_tokens":
+        request.pop("max_tokens")
+    status, answer = await post(session, url + path, request)
+    assert status == 400
+    message = vllm_error(answer, "BadRequestError", field)
+    assert message == (
+        f"{field}={MAX_MODEL_LEN + 1} cannot be greater than "
+        f"max_model_len={MAX_MODEL_LEN}. Please request fewer output tokens. "
+        f"(parameter={field}, value={MAX_MODEL_LEN + 1})"
+    )
+
+
+async def test_output_budget_up_to_max_model_len_is_clamped_to_the_room_left(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = completion_body(max_tokens=MAX_MODEL_LEN)
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 200
+    assert answer["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(PROMPT)
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+# vllm/exceptions.py VLLMValidationError.__str__ appends the parameter and
+# value; create_error_response answers with str(exc).
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        pytest.param(
+            {"max_tokens": 3},
+            "prompt",
+            "Either prompt or prompt_embeds must be provided and non-empty. "
+            "(parameter=prompt)",
+            id="no-prompt",
+        ),
+        pytest.param(
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "Stream options can only be defined when `stream=True`. "
+            "(parameter=stream_options)",
+            id="stream-options-without-stream",
+        ),
+        pytest.param(
+            {"prompt": "x", "max_tokens": -1},
+            "max_tokens",
+            "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)",
+            id="negative-max-tokens",
+        ),
+        # SamplingParams._verify_args names no parameter for this one.
+        pytest.param(
+            {"prompt": "x", "min_tokens": -1},
+            None,
+            "min_tokens must be greater than or equal to 0, got -1.",
+            id="negative-min-tokens",
+        ),
+        pytest.param(
+            {"prompt": [1, 300]},
+            "prompt",
+            "Token id 300 is out of vocabulary (parameter=prompt)",
+            id="token-out-of-vocabulary",
+        ),
+        pytest.param(
+            {"prompt": [65] * 300},
+            "input_tokens",
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
+            "However, your prompt contains 300 input tokens, which exceeds this "
+            "limit even without any output tokens. Please reduce the length of "
+            "the input prompt. (parameter=input_tokens, value=300)",
+            id="token-prompt-too-long",
+        ),
+        # A text prompt is tokenized to at most max_model_len + 1 tokens
+        # (TokenizeParams.get_encode_kwargs), so vLLM counts "at least" those.
+        pytest.param(
+            {"prompt": "x" * 300},
+            "input_tokens",
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
+            f"However, your prompt contains at least {MAX_MODEL_LEN + 1} input "
+            "tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={MAX_MODEL_LEN + 1})",
+            id="text-prompt-too-long",
+        ),
+    ],
+)
+async def test_vllm_validation_error_names_its_parameter_in_the_message(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    param: str | None,
+    message: str,
+) -> None:
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 400
+    assert vllm_error(answer, "BadRequestError", param) == message
+
+
+# vllm/entrypoints/serve/exception_handling/handlers/validation.py
+# validation_exception_handler: a body FastAPI cannot validate (schema, JSON,
+# media type) is typed HTTPStatus.BAD_REQUEST.phrase, not "BadRequestError".
+async def test_body_failing_fastapi_validation_is_typed_bad_request(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, answer = await post(session, url + COMPLETIONS, {"prompt": 7})
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body.prompt")
+    headers = {"Content-Type": "application/json"}
+    async with session.post(
+        url + COMPLETIONS, data=b'{"prompt": ', headers=headers
+    ) as response:
+        assert response.status == 400
+        answer = await response.json()
+    message = vllm_error(answer, "Bad Request", answer["error"]["param"])
+    assert "'input': '<dict of 0 items>'" in message
+    async with session.post(url + COMPLETIONS, data=b"prompt=x") as response:
+        assert response.status == 400
+        answer = await response.json()
+    assert vllm_error(answer, "Bad Request", None) == (
+        "1 validation error:\n  Unsupported Media Type: Only "
+        "'application/json' is allowed"
+    )
+
+
+# vllm/entrypoints/openai/completion/serving.py completion_stream_generator
+# and chat_completion/serving.py chat_completion_stream_generator skip an
+# output with no text and no tokens while nothing was output yet, a final
+# one included: a request aborted before its first token sends no chunk of
+# its own (a chat stream only its role chunk), then usage and [DONE].
+@pytest.mark.parametrize(
+    ("path", "body", "before_done"),
+    [
+        (COMPLETIONS, completion_body, 0),
+        (CHAT, chat_body, 1),
+    ],
+)
+async def test_stream_aborted_before_its_first_token_sends_no_finish_chunk(
+    session: aiohttp.ClientSession, path: str, body: Body, before_done: int
+) -> None:
+    # Prefilling the prompt takes seconds: the abort comes first.
+    async with fake_engines(EngineSpec(prefill_tokens_per_s=10.0)) as urls:
+        request = body(stream=True, stream_options={"include_usage": True})
+        headers = {"X-Request-Id": "doomed"}
+
+        async def abort_soon() -> None:
+            await asyncio.sleep(0.3)
+            await post(
+                session,
+                urls[0] + "/inference/v1/abort_requests",
+                {"request_ids": ["doomed"]},
+            )
+
+        aborter = asyncio.create_task(abort_soon())
+        async with session.post(
+            urls[0] + path, json=request, headers=headers
+        ) as response:
+            raw = (await response.read()).decode()
+        await aborter
+    events = [frame.removeprefix("data: ") for frame in raw.split("\n\n")[:-1]]
+    assert events[-1] == "[DONE]"
+    assert '"abort"' not in raw
+    assert len(events) == before_done + 2  # role chunk (chat), usage, [DONE]
+    assert '"completion_tokens":0' in events[-2]
+
+
+# vllm/entrypoints/serve/utils/fingerprint.py build_system_fingerprint (the
+# default --fingerprint-mode full): "vllm-<version>[-tp<N>]-<hash8>", on
+# whole responses, and in a stream on its last chunk: the usage chunk if
+# there is one, else the finishing chunk (completion_stream_generator,
+# chat_completion_stream_generator).
+FINGERPRINT = re.compile(r"vllm-0\.32\.0-[0-9a-f]{8}")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [(COMPLETIONS, completion_body), (CHAT, chat_body)]
+)
+async def test_responses_carry_vllms_system_fingerprint(
+    session: aiohttp.ClientSession, url: str, path: str, body: Body
+) -> None:
+    _, whole = await post(session, url + path, body(max_tokens=3))
+    fingerprint = whole["system_fingerprint"]
+    assert FINGERPRINT.fullmatch(fingerprint)
+    _, events = await stream(session, url + path, body(max_tokens=3, stream=True))
+    assert [e.get("system_fingerprint") for e in events[:-1]] == [None] * (
+        len(events) - 2
+    ) + [fingerprint]
+    options = {"include_usage": True}
+    request = body(max_tokens=3, stream=True, stream_options=options)
+    _, events = await stream(session, url + path, request)
+    *chunks, usage, _ = events
+    assert all("system_fingerprint" not in chunk for chunk in chunks)
+    assert list(usage)[-2:] == ["usage", "system_fingerprint"]
+    assert usage["system_fingerprint"] == fingerprint
+
+
+async def test_system_fingerprint_names_tensor_parallelism(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(EngineSpec(tp_size=2)) as urls:
+        _, whole = await post(session, urls[0] + COMPLETIONS, completion_body())
+    assert re.fullmatch(r"vllm-0\.32\.0-tp2-[0-9a-f]{8}", whole["system_fingerprint"])
+
+
+# vllm/entrypoints/openai/chat_completion/serving.py
+# chat_completion_stream_generator sets completion_tokens_details (None
+# without reasoning) in each chunk's continuous usage; completions do not.
+async def test_chat_continuous_usage_names_completion_tokens_details(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    request = chat_body(max_tokens=2, stream=True, stream_options=options)
+    _, events = await stream(session, url + CHAT, request)
+    *chunks, usage, _ = events
+    assert chunks and all(
+        chunk["usage"]["completion_tokens_details"] is None
+        and "completion_tokens_details" in chunk["usage"]
+        for chunk in chunks
+    )
+    assert "completion_tokens_details" not in usage["usage"]
+    request = completion_body(max_tokens=2, stream=True, stream_options=options)
+    _, events = await stream(session, url + COMPLETIONS, request)
+    assert all("completion_tokens_details" not in e["usage"] for e in events[:-1])
