@@ -231,7 +231,9 @@ class KVChecksumScheduler:
         """Checksum the blocks a load starting this step writes, once it
         finishes: a consumer request's load from its producer, or a load of
         offloaded KV whose connector offloaded checksums with it
-        (``KVChecksumConnector.get_kv_checksum_sources``).
+        (``KVChecksumConnector.get_kv_checksum_sources``). A consumer's load
+        that comes partly from its producer and partly from another tier is
+        unverified when it finishes (``MIXED_SOURCES``).
 
         ``request.num_computed_tokens`` must already include the loaded
         tokens.
@@ -260,6 +262,14 @@ class KVChecksumScheduler:
                 self._scheduled.reqs_to_load[req_id] = checksum_blocks
             return
         if sources != {CacheHitSource.P2P}:
+            if CacheHitSource.P2P in sources:
+                # Partly from the producer, partly from a cache tier of the
+                # engine's own: the producer's tokens are not known apart.
+                self._recvs[req_id] = PendingChecksums(
+                    KVChecksumBlocks(request.num_computed_tokens, {}),
+                    num_local_computed_tokens,
+                    unverifiable=UnverifiedReason.MIXED_SOURCES,
+                )
             return
         checksum_blocks, gaps = self._blocks(
             blocks.blocks,

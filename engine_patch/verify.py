@@ -77,6 +77,8 @@ class UnverifiedReason(enum.StrEnum):
     NOTHING_CHECKSUMMED = "no loaded group can be checksummed"
     # Loaded inside the forward that uses it: no verdict can come first.
     SYNC_LOAD = "the connector loads synchronously, inside the forward"
+    # Which tokens came from the producer is unknown.
+    MIXED_SOURCES = "a load from the producer came partly from another cache tier"
     # Loads of offloaded KV only.
     NO_STORED = "a worker has no offloaded checksums of a loaded block"
     NO_BLOCK_HASH = "a loaded block has no block hash"
@@ -148,6 +150,8 @@ class PendingChecksums:
     missing_reason: UnverifiedReason = UnverifiedReason.NO_CHECKSUMS
     # Why a worker's report of the request is malformed, if one is.
     malformed: str | None = None
+    # Why the load cannot be compared at all, whatever the workers report.
+    unverifiable: UnverifiedReason | None = None
     # Per (pp_rank, tp_rank): its checksums of the request per group, and its
     # record.
     reports: dict[
@@ -316,6 +320,8 @@ class KVChecksumComparer:
         its groups could not be compared, how many groups were, and which
         loaded blocks hold tokens that were not compared."""
         try:
+            if pending.unverifiable is not None:
+                raise Unverified(pending.unverifiable)
             pending.check_complete(self.num_workers)
             if pending.offload_request is None and pending.expected is None:
                 raise Unverified(pending.missing_reason)

@@ -428,10 +428,20 @@ def test_a_bidirectional_reload_by_a_producer_is_not_checksummed() -> None:
     assert consumer.scheduler.build_checksum_meta() is None
 
 
-def test_a_consumer_load_not_wholly_from_its_producer_is_not_checksummed() -> None:
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_a_consumer_load_not_wholly_from_its_producer_is_unverified(
+    fail_closed: bool,
+) -> None:
     connector = FakeConnector(
         sources={CacheHitSource.P2P: 8, CacheHitSource.OFFLOAD: 8}
     )
-    consumer = Consumer(kv_config(full()), connector=connector)
+    consumer = Consumer(kv_config(full()), connector=connector, fail_closed=fail_closed)
     consumer.start_load(consumer_request("c", 16), FakeBlocks.of([1]))
+    # Nothing to checksum: which tokens came from the producer is unknown.
     assert consumer.scheduler.build_checksum_meta() is None
+    failed = consumer.scheduler.update_from_output(
+        FakeConnectorOutput([], {"c"}), set()
+    )
+    assert failed == ({"c"} if fail_closed else set())
+    assert consumer.stats.unverified == {R.MIXED_SOURCES: 1}
+    assert consumer.stats.verified == 0
