@@ -203,13 +203,12 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         blocks to ``invalid_block_ids``. ``update_connector_output``, called
         later with the same output, does not verify them again."""
         assert self._scheduler is not None
-        meta = (
-            None if scheduler_output is None else scheduler_output.kv_connector_metadata
-        )
-        sync_loads = (
-            meta.sync_loads if isinstance(meta, KVGuardConnectorMetadata) else []
-        )
-        self._scheduler.verify_finished_loads(connector_output, sync_loads)
+        if scheduler_output is not None and isinstance(
+            meta := scheduler_output.kv_connector_metadata, KVGuardConnectorMetadata
+        ):
+            self._scheduler.verify_finished_loads(connector_output, meta.sync_loads)
+        else:
+            self._scheduler.verify_finished_loads(connector_output)
 
     # ==============================
     # Class methods: the inner connector's, from the config.

@@ -8,7 +8,7 @@ fraction of pickling its dataclasses and arrays one by one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ class KVGuardConnectorMetadata(KVConnectorMetadata):
     hold_loads: bool
     checksums: KVChecksumScheduled | None = None
     verdicts: dict[str, bool] = field(default_factory=dict)
-    sync_loads: list[str] = field(default_factory=list)
+    sync_loads: Sequence[str] = ()
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         checksums = self.checksums
@@ -60,7 +60,7 @@ def _connector_metadata(
     hold_loads: bool,
     checksums: bytes | None,
     verdicts: dict[str, bool],
-    sync_loads: list[str],
+    sync_loads: Sequence[str],
 ) -> KVGuardConnectorMetadata:
     """Unpickles :class:`KVGuardConnectorMetadata`."""
     return KVGuardConnectorMetadata(

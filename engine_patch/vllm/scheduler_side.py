@@ -291,7 +291,7 @@ class KVGuardSchedulerSide:
 
     def build_meta(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[KVChecksumScheduled | None, dict[str, bool], list[str]]:
+    ) -> tuple[KVChecksumScheduled | None, dict[str, bool], Sequence[str]]:
         """The step's checksums for the workers, the verdicts they wait for,
         and the loads the step's forward makes (``refuses_sync_load``).
 
@@ -300,9 +300,10 @@ class KVGuardSchedulerSide:
         if self._checksums is None or not (
             self._producers or self._loads_started or self._loads.verdicts
         ):
-            return None, {}, []
+            return None, {}, ()
+        checksums, verdicts = self._build_meta(scheduler_output)
         sync, self._sync_started = self._sync_started, []
-        return (*self._build_meta(scheduler_output), sync)
+        return checksums, verdicts, sync
 
     @_timed
     def _build_meta(
