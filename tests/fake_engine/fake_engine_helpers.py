@@ -15,6 +15,10 @@ from tests.support.metrics import fetch_metric
 PROMPT = "The quick brown fox jumps over the lazy dog; KV blocks travel far away"
 assert len(PROMPT) == 70
 
+# The ``url`` fixture's engine (conftest.py): short enough for tests of
+# too-long prompts and output budgets.
+MAX_MODEL_LEN = 256
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 

@@ -24,18 +24,6 @@ from fake_engine_helpers import (
 from fake_engine.testing import EngineSpec, fake_engines
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
-@pytest.fixture
-async def url():
-    async with fake_engines(EngineSpec(max_model_len=256)) as urls:
-        yield urls[0]
-
-
 async def test_completion_has_vllms_shape(
     session: aiohttp.ClientSession, url: str
 ) -> None:

@@ -37,12 +37,6 @@ FAIL = KVLoadFailurePolicy.FAIL
 RECOMPUTE = KVLoadFailurePolicy.RECOMPUTE
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
 def pd_specs(
     fault: FaultConfig,
     *,

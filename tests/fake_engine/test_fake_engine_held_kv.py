@@ -17,12 +17,6 @@ HELD = "kvguard_kv_blocks_held"
 ABORT = "/inference/v1/abort_requests"
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
 async def test_held_blocks_drop_to_zero_after_the_pull(
     session: aiohttp.ClientSession,
 ) -> None:

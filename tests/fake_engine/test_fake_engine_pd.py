@@ -33,12 +33,6 @@ PRODUCER = Role.PRODUCER
 CONSUMER = Role.CONSUMER
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
 @pytest.mark.parametrize(
     ("producer", "consumer"),
     [

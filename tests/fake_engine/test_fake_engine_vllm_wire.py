@@ -15,6 +15,7 @@ import pytest
 from fake_engine_helpers import (
     CHAT,
     COMPLETIONS,
+    MAX_MODEL_LEN,
     PROMPT,
     chat_body,
     completion_body,
@@ -24,21 +25,7 @@ from fake_engine_helpers import (
 
 from fake_engine.testing import EngineSpec, fake_engines
 
-MAX_MODEL_LEN = 256
-
 Body = Callable[..., dict[str, Any]]
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
-@pytest.fixture
-async def url():
-    async with fake_engines(EngineSpec(max_model_len=MAX_MODEL_LEN)) as urls:
-        yield urls[0]
 
 
 def vllm_error(answer: dict, err_type: str, param: str | None) -> str:
