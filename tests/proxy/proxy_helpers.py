@@ -24,8 +24,21 @@ from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.protocol import INTEGRITY_MARKER
+from proxy.testing import RunningProxy
 
 _STUBS: dict[int, StubEngine] = {}
+
+
+async def admin(
+    px: RunningProxy, method: str, path: str, key: str | None = "adm", **kwargs: Any
+) -> tuple[int, Any]:
+    """The status and JSON body of an admin API call, with ``key`` (None: no
+    Authorization header); ``kwargs`` go to the request (``json=...``)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with px.session.request(
+        method, px.url + path, headers=headers, **kwargs
+    ) as resp:
+        return resp.status, await resp.json()
 
 
 def expected_text(prompt: Any, max_tokens: int) -> str:

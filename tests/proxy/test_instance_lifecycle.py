@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
-from proxy_helpers import StubEngine, make_config
+from proxy_helpers import StubEngine, admin, make_config
 
 import proxy.discovery
 from proxy.config import load_config
@@ -74,15 +75,6 @@ health: {{interval_s: 3600}}
 """
 
 
-async def admin(
-    px: RunningProxy, method: str, path: str, body: dict[str, Any]
-) -> tuple[int, dict[str, Any]]:
-    async with px.session.request(
-        method, px.url + path, headers={"Authorization": "Bearer adm"}, json=body
-    ) as resp:
-        return resp.status, await resp.json()
-
-
 def listed(body: dict[str, Any], url: str) -> dict[str, Any]:
     """The admin listing's entry for the prefill at ``url``."""
     (entry,) = [
@@ -107,26 +99,31 @@ async def complete(px: RunningProxy, times: int) -> None:
         await resp.read()
 
 
-async def discovered_proxy(
-    stubs: Callable[..., Any], tmp_path: Path
-) -> tuple[StubEngine, StubEngine, Path]:
-    """A configured prefill, one NAME will resolve to, and the config file."""
+@asynccontextmanager
+async def proxy_that_found(
+    stubs: Callable[..., Any], dns: FakeDns, tmp_path: Path
+) -> AsyncIterator[tuple[RunningProxy, StubEngine, StubEngine]]:
+    """A proxy (its config in a file, for reloads) with a configured prefill
+    and one NAME resolves to, found by its first lookup: the proxy, the
+    configured prefill and the found one."""
     configured, found, decode = await stubs(), await stubs(), await stubs()
     path = tmp_path / "proxy.yaml"
     path.write_text(dns_config_yaml(configured.url, found.port, decode.url))
-    return configured, found, path
+    dns.records[NAME] = ["127.0.0.1"]
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        await px.state.discovery.refresh()
+        yield px, configured, found
 
 
 # ------------------------------------------------------------ admin removal
 
 
 async def test_admin_removal_survives_the_next_dns_lookup(stubs, dns, tmp_path):
-    _, found, path = await discovered_proxy(stubs, tmp_path)
-    dns.records[NAME] = ["127.0.0.1"]
-    async with running_proxy(load_config(path), source=str(path)) as px:
-        await px.state.discovery.refresh()
+    async with proxy_that_found(stubs, dns, tmp_path) as (px, _, found):
         assert px.state.find(found.url, "prefill")
-        status, _ = await admin(px, "DELETE", "/admin/instances", {"url": found.url})
+        status, _ = await admin(
+            px, "DELETE", "/admin/instances", json={"url": found.url}
+        )
         assert status == 200
         await px.state.discovery.refresh()
         assert not px.state.find(found.url, "prefill")
@@ -135,14 +132,11 @@ async def test_admin_removal_survives_the_next_dns_lookup(stubs, dns, tmp_path):
 async def test_an_address_the_admin_api_removed_returns_when_it_adds_it_back(
     stubs, dns, tmp_path
 ):
-    _, found, path = await discovered_proxy(stubs, tmp_path)
-    dns.records[NAME] = ["127.0.0.1"]
-    async with running_proxy(load_config(path), source=str(path)) as px:
-        await px.state.discovery.refresh()
-        await admin(px, "DELETE", "/admin/instances", {"url": found.url})
+    async with proxy_that_found(stubs, dns, tmp_path) as (px, _, found):
+        await admin(px, "DELETE", "/admin/instances", json={"url": found.url})
         await px.state.discovery.refresh()
         status, _ = await admin(
-            px, "POST", "/admin/instances", {"role": "prefill", "url": found.url}
+            px, "POST", "/admin/instances", json={"role": "prefill", "url": found.url}
         )
         assert status == 200
         await px.state.discovery.refresh()
@@ -155,11 +149,8 @@ async def test_a_reload_gives_dns_back_an_address_the_admin_api_removed(
 ):
     # A reload restores the file's pools: url: entries an admin removed come
     # back too, and the file says "every address of the name".
-    _, found, path = await discovered_proxy(stubs, tmp_path)
-    dns.records[NAME] = ["127.0.0.1"]
-    async with running_proxy(load_config(path), source=str(path)) as px:
-        await px.state.discovery.refresh()
-        await admin(px, "DELETE", "/admin/instances", {"url": found.url})
+    async with proxy_that_found(stubs, dns, tmp_path) as (px, _, found):
+        await admin(px, "DELETE", "/admin/instances", json={"url": found.url})
         assert await px.state.reload()
         await px.state.discovery.refresh()
         (back,) = px.state.find(found.url, "prefill")
@@ -173,14 +164,11 @@ async def test_a_reload_gives_dns_back_an_address_the_admin_api_removed(
 async def test_an_admin_drain_survives_the_address_leaving_dns_and_coming_back(
     stubs, dns, tmp_path, busy
 ):
-    configured, found, path = await discovered_proxy(stubs, tmp_path)
-    dns.records[NAME] = ["127.0.0.1"]
-    async with running_proxy(load_config(path), source=str(path)) as px:
-        await px.state.discovery.refresh()
+    async with proxy_that_found(stubs, dns, tmp_path) as (px, configured, found):
         (inst,) = px.state.find(found.url, "prefill")
         await until(lambda: inst.healthy, "the found prefill probed into rotation")
         status, _ = await admin(
-            px, "POST", "/admin/instances/drain", {"url": found.url}
+            px, "POST", "/admin/instances/drain", json={"url": found.url}
         )
         assert status == 200
         # Busy: a request still runs on it, so it is drained but not yet removed.
@@ -201,17 +189,14 @@ async def test_an_admin_drain_survives_the_address_leaving_dns_and_coming_back(
 async def test_an_admin_undrain_does_not_readmit_an_address_that_left_dns(
     stubs, dns, tmp_path
 ):
-    _, found, path = await discovered_proxy(stubs, tmp_path)
-    dns.records[NAME] = ["127.0.0.1"]
-    async with running_proxy(load_config(path), source=str(path)) as px:
-        await px.state.discovery.refresh()
+    async with proxy_that_found(stubs, dns, tmp_path) as (px, _, found):
         (inst,) = px.state.find(found.url, "prefill")
-        await admin(px, "POST", "/admin/instances/drain", {"url": found.url})
+        await admin(px, "POST", "/admin/instances/drain", json={"url": found.url})
         inst.in_flight += 1  # kept, draining, until this request ends
         dns.records[NAME] = []
         await px.state.discovery.refresh()
         status, body = await admin(
-            px, "POST", "/admin/instances/undrain", {"url": found.url}
+            px, "POST", "/admin/instances/undrain", json={"url": found.url}
         )
         assert status == 200 and listed(body, found.url)["drained"]
         dns.records[NAME] = ["127.0.0.1"]
@@ -232,7 +217,7 @@ async def test_an_instance_the_admin_api_adds_takes_traffic_once_a_probe_passes(
     config = make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
     async with running_proxy(config) as px:
         status, body = await admin(
-            px, "POST", "/admin/instances", {"role": "prefill", "url": added.url}
+            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
         )
         assert status == 200 and not listed(body, added.url)["healthy"]
         await complete(px, 4)
@@ -254,7 +239,7 @@ async def test_an_instance_the_admin_api_adds_is_probed_before_the_answer(
     )
     async with running_proxy(config) as px:
         status, body = await admin(
-            px, "POST", "/admin/instances", {"role": "prefill", "url": added.url}
+            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
         )
         assert status == 200 and listed(body, added.url)["healthy"]
         assert added.health_checks == 1
@@ -306,7 +291,7 @@ async def test_without_health_checks_an_added_instance_enters_at_once(
     )
     async with running_proxy(config) as px:
         status, body = await admin(
-            px, "POST", "/admin/instances", {"role": "prefill", "url": added.url}
+            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
         )
         assert status == 200 and listed(body, added.url)["healthy"]
         assert added.health_checks == 0

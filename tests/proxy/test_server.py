@@ -9,7 +9,7 @@ import time
 
 import msgspec
 import pytest
-from proxy_helpers import StubEngine, expected_text, make_config
+from proxy_helpers import StubEngine, admin, expected_text, make_config
 
 import proxy.state
 from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
@@ -205,14 +205,6 @@ async def test_metrics_expose_the_documented_families(stubs):
         'role="prefill"} 1.0',
     ):
         assert family in text
-
-
-async def admin(px, method, path, key="adm", **kwargs):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with px.session.request(
-        method, px.url + path, headers=headers, **kwargs
-    ) as resp:
-        return resp.status, await resp.json()
 
 
 async def test_admin_api_requires_its_key(stubs, monkeypatch):
