@@ -20,7 +20,7 @@ The workers learn the mode from each step's metadata (``hold_loads``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -203,12 +203,17 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         blocks to ``invalid_block_ids``. ``update_connector_output``, called
         later with the same output, does not verify them again."""
         assert self._scheduler is not None
-        if scheduler_output is not None and isinstance(
-            meta := scheduler_output.kv_connector_metadata, KVGuardConnectorMetadata
-        ):
-            self._scheduler.verify_finished_loads(connector_output, meta.sync_loads)
-        else:
-            self._scheduler.verify_finished_loads(connector_output)
+        self._scheduler.verify_finished_loads(
+            connector_output,
+            () if scheduler_output is None else self.sync_loads(scheduler_output),
+        )
+
+    @staticmethod
+    def sync_loads(scheduler_output: SchedulerOutput) -> Sequence[str]:
+        """The loads the inner connector makes in the forward of
+        ``scheduler_output``'s step (``load_kv_async=False``)."""
+        meta = scheduler_output.kv_connector_metadata
+        return meta.sync_loads if isinstance(meta, KVGuardConnectorMetadata) else ()
 
     # ==============================
     # Class methods: the inner connector's, from the config.

@@ -27,7 +27,6 @@ from vllm.v1.outputs import KVConnectorOutput
 from engine_patch.log import get_logger
 from engine_patch.vllm._logging import use_vllm_handlers
 from engine_patch.vllm.connector import SAME_STEP_VERDICTS_ATTR, KVGuardConnector
-from engine_patch.vllm.metadata import KVGuardConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -66,18 +65,13 @@ class _SameStepVerdicts(Scheduler):
     ) -> dict[int, EngineCoreOutputs]:
         if self._kvguard is not None:
             output = model_runner_output.kv_connector_output
-            if output is None and _has_sync_loads(scheduler_output):
+            if output is None and self._kvguard.sync_loads(scheduler_output):
                 # The workers sent nothing, yet the step's forward loaded KV:
                 # its verdict (unverified) needs an output to go into.
                 output = model_runner_output.kv_connector_output = KVConnectorOutput()
             if output is not None:
                 self._kvguard.verify_finished_loads(output, scheduler_output)
         return super().update_from_output(scheduler_output, model_runner_output)
-
-
-def _has_sync_loads(scheduler_output: SchedulerOutput) -> bool:
-    meta = scheduler_output.kv_connector_metadata
-    return isinstance(meta, KVGuardConnectorMetadata) and bool(meta.sync_loads)
 
 
 setattr(_SameStepVerdicts, SAME_STEP_VERDICTS_ATTR, True)
