@@ -21,6 +21,7 @@ from proxy.auth import Auth
 from proxy.config import (
     ANY_MODEL,
     ConfigError,
+    InstanceConfig,
     PoolConfig,
     ProxyConfig,
     Role,
@@ -89,12 +90,7 @@ class ProxyState:
         """
         auth = Auth.from_config(config.auth)
         # Every key is read before anything changes: a failed reload changes nothing.
-        keys = {
-            id(entry): auth.instance_key(entry)
-            for model in config.models.values()
-            for pool in (model.prefill, model.decode)
-            for entry in pool.instances
-        }
+        keys = {id(entry): auth.instance_key(entry) for _, _, entry in _entries(config)}
         models: dict[str, ModelPools] = {}
         old: dict[Key, Instance] = {i.key: i for i in self.all_instances()}
         kept: set[Instance] = set()
@@ -216,21 +212,13 @@ class ProxyState:
         """
         auth = Auth.from_config(config.auth)
         listed = {i.key for i in self.all_instances()}
-        joining: dict[Key, Instance] = {}
-        for name, model in config.models.items():
-            pools: tuple[tuple[Role, PoolConfig], ...] = (
-                ("prefill", model.prefill),
-                ("decode", model.decode),
+        return {
+            (name, role, entry.url): Instance(
+                entry.url, role, name, entry.weight, auth.instance_key(entry)
             )
-            for role, pool in pools:
-                for entry in pool.instances:
-                    if entry.url is None or (name, role, entry.url) in listed:
-                        continue
-                    key = auth.instance_key(entry)
-                    joining[name, role, entry.url] = Instance(
-                        entry.url, role, name, entry.weight, key
-                    )
-        return joining
+            for name, role, entry in _entries(config)
+            if entry.url is not None and (name, role, entry.url) not in listed
+        }
 
     def remove_instances(self, gone: Collection[Instance]) -> None:
         """Takes ``gone`` out of every pool; requests in flight on them finish."""
@@ -369,3 +357,10 @@ class ProxyState:
 
 
 STATE = web.AppKey("kvguard_proxy_state", ProxyState)
+
+
+def _entries(config: ProxyConfig) -> Iterator[tuple[str, Role, InstanceConfig]]:
+    """Every instance entry of ``config``: its model, role and entry."""
+    for name, model in config.models.items():
+        yield from ((name, "prefill", entry) for entry in model.prefill.instances)
+        yield from ((name, "decode", entry) for entry in model.decode.instances)
