@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The checksum worker's GPU figures (issue 8) in one call on a CUDA machine:
+# values checked against the CPU's (and no host sync in a step), then the
+# large-KV throughput, eager and compiled, then small requests. Each stage
+# runs under its own time limit and a failed one does not stop the next:
+# a lent GPU's minutes are few.
+#
+#     bash benchmarks/gpu_check.sh [OUT_DIR]    # logs in OUT_DIR (or $OUT)
+#     DEVICE=cpu bash benchmarks/gpu_check.sh    # a dry run of the script
+#
+# Needs torch with CUDA, numpy and msgspec; where msgspec is missing, wheels
+# in .whl/ (for a machine with no index) are installed into /tmp/site.
+set -u
+out=${1:-${OUT:-/tmp/kvguard-gpu}}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import msgspec" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl || exit
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+bench=(python3 benchmarks/bench_checksum.py --device "${DEVICE:-cuda}" --baseline "" --check)
+
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc, $((SECONDS - start)) s (limit $limit s); log's end:"
+    tail -n 25 "$out/$name.log"
+}
+
+stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+python3 -c "import sys, torch, numpy, msgspec; print(sys.version.split()[0], torch.__version__, numpy.__version__, msgspec.__version__, torch.cuda.get_device_name())"'
+stage eager 150 "${bench[@]}" --modes eager --parts large
+stage compiled 240 "${bench[@]}" --modes compiled --parts large
+stage small 150 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
+echo "== summary"
+grep -h "device check\|FAILED\|^fused\|Error" "$out"/*.log
