@@ -50,6 +50,7 @@ from engine_patch.vllm.host import (
     convert_kv_cache_config,
 )
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
+from engine_patch.vllm.prefill_ids import PrefillBlockIds, StepBlockIds
 from engine_patch.vllm.prefix_cache import (
     keep_blocks_out_of_prefix_cache,
     keep_out_of_prefix_cache,
@@ -149,6 +150,8 @@ class KVGuardSchedulerSide:
         self._verified: KVConnectorOutput | None = None
         # Producer requests that may send KV, by id.
         self._producers: dict[str, Request] = {}
+        # Their block ids over the steps of a chunked prefill.
+        self._prefill_ids = PrefillBlockIds(kv_cache_config)
         # Per request: the locally computed tokens its connector lookup saw.
         self._num_local_tokens: dict[str, int] = {}
         # Loads not verified yet, by id: the request and its first loaded
@@ -311,31 +314,32 @@ class KVGuardSchedulerSide:
     ) -> tuple[KVChecksumScheduled | None, dict[str, bool]]:
         assert self._checksums is not None and self._kv_cache_manager is not None
         scheduled = scheduler_output.num_scheduled_tokens
-        new_block_ids: dict[str, tuple[list[int], ...]] | None = None
+        step: StepBlockIds | None = None
         for req_id, request in self._producers.items():
             if num_tokens := scheduled.get(req_id):
-                if new_block_ids is None:
-                    # A new request's blocks, as vLLM lists them for its
-                    # workers (the null block is id 0): read, not each block.
-                    new_block_ids = self._new_block_ids(scheduler_output)
+                if step is None:
+                    step = StepBlockIds(scheduler_output)
+                # The request's blocks as vLLM lists them for its workers (the
+                # null block is id 0), where known: read, not each block.
+                if self._prefill_ids.enabled:
+                    block_ids = self._prefill_ids.step(
+                        step,
+                        req_id,
+                        request.num_computed_tokens,
+                        num_tokens,
+                        request.num_prompt_tokens,
+                    )
+                else:
+                    block_ids = step.new(req_id)
                 self._checksums.add_send(
                     RequestAt(request, request.num_computed_tokens + num_tokens),
                     num_tokens,
                     self._kv_cache_manager,
-                    new_block_ids.get(req_id),
+                    block_ids,
                 )
         self._loads_started = False
         verdicts, self._loads.verdicts = self._loads.verdicts, {}
         return self._checksums.build_checksum_meta(), verdicts
-
-    @staticmethod
-    def _new_block_ids(
-        scheduler_output: SchedulerOutput,
-    ) -> dict[str, tuple[list[int], ...]]:
-        """The block ids of the step's new requests, per group."""
-        return {
-            new.req_id: new.block_ids for new in scheduler_output.scheduled_new_reqs
-        }
 
     def on_request_finished(
         self, request: Request, kv_transfer_params: dict[str, Any] | None
@@ -346,6 +350,7 @@ class KVGuardSchedulerSide:
         if self._checksums is None:
             return
         producer = self._producers.pop(request.request_id, None) is not None
+        self._prefill_ids.discard(request.request_id)
         self._num_local_tokens.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._sync_allowed.discard(request.request_id)

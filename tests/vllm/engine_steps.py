@@ -12,7 +12,7 @@ import os
 import pickle
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,15 +243,18 @@ class Workers:
 
 
 def runner_output(
-    scheduler_output: SchedulerOutput, connector_output: KVConnectorOutput | None
+    scheduler_output: SchedulerOutput,
+    connector_output: KVConnectorOutput | None,
+    prefilling: Collection[str] = (),
 ) -> ModelRunnerOutput:
     """The step's model output: one token for every request that finished
-    its prompt (or decodes), and ``connector_output``."""
+    its prompt (or decodes), none for those still ``prefilling`` (a chunk of
+    their prompt), and ``connector_output``."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=[[TOKEN] for _ in req_ids],
+        sampled_token_ids=[[] if r in prefilling else [TOKEN] for r in req_ids],
         kv_connector_output=connector_output,
     )
 
