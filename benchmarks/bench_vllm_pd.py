@@ -33,17 +33,19 @@ each round's medians.
         [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
         [--out result.json]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-cost
-        [--per-step 1,16]
+        [--per-step 1,16] [--chunk-tokens 2048]
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --scheduler-breakdown
-        [--per-step 1,16]
+        [--per-step 1,16] [--chunk-tokens 2048]
 
 ``--scheduler-cost`` needs no servers: it steps vLLM's real scheduler with
 KVGuard in process (tests/vllm/engine_steps.py) through producer and
 consumer requests of several sizes and prints the scheduler-side time per
 request from KVGuard's stats (``scheduler_seconds``), fitted as a fixed
 cost plus a cost per block, with one request per engine step (the worst
-case) and with several going through the same steps (``--per-step``), and
-the time an idle engine step spends in KVGuard's connector.
+case) and with several going through the same steps (``--per-step``), for
+producers' prompts prefilled whole and in chunks (``--chunk-tokens``, as
+vLLM's chunked prefill takes every long prompt), and the time an idle engine
+step spends in KVGuard's connector.
 ``--scheduler-breakdown`` splits that time call by call, for 64-block
 requests.
 
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import re
@@ -69,7 +72,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -428,17 +431,29 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
 # ------------------------------------------------------------ scheduler cost
 
 
+class SchedulerFlow(NamedTuple):
+    """Requests of one kind taken through vLLM's scheduler together."""
+
+    name: str
+    # "producer" or "consumer".
+    role: str
+    # An engine_steps flow: (scheduler, req_ids, num_tokens, kvguard=...).
+    flow: Callable[..., dict[str, Any]]
+    # A prefill's tokens per step and request (chunked prefill), or None
+    # for whole prompts.
+    chunk_tokens: int | None = None
+
+
 def _warm_scheduler(
-    role: str,
-    flow: Callable[..., dict[str, Any]],
+    flow: SchedulerFlow,
     blocks: int,
     per_step: int = 1,
     plain: bool = False,
 ) -> tuple[Any, int]:
     """vLLM's real scheduler with KVGuard's class (``plain``: vLLM's own
-    class around plain NIXL) for ``role``'s requests of ``blocks`` blocks
+    class around plain NIXL) for ``flow``'s requests of ``blocks`` blocks
     (16 tokens each, the last half full), ``per_step`` of them in the same
-    steps, after ten warm-up runs of ``flow``, with its heap frozen; and the
+    steps, after ten warm-up runs of it, with its heap frozen; and the
     tokens per request. The caller unfreezes the heap when done."""
     import engine_steps as es
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -448,16 +463,18 @@ def _warm_scheduler(
     block_size = 16
     num_tokens = blocks * block_size - block_size // 2
     config = es.vllm_config(
-        f"kv_{role}",
+        f"kv_{flow.role}",
         block_size=block_size,
         max_model_len=max(num_tokens + block_size, 512),
         num_blocks=blocks * 4 * per_step + 64,
         prompts_per_step=per_step,
         **({"connector": "NixlConnector"} if plain else {}),
     )
+    if flow.chunk_tokens:
+        config.scheduler_config.max_num_batched_tokens = flow.chunk_tokens * per_step
     scheduler = es.make_scheduler(Scheduler if plain else KVGuardScheduler, config)
     for i in range(10):
-        flow(
+        flow.flow(
             scheduler,
             [f"warm-{i}-{j}" for j in range(per_step)],
             num_tokens,
@@ -489,12 +506,26 @@ def _clock_engine_calls(scheduler: Any) -> list[float]:
     return seconds
 
 
-def _scheduler_flows() -> tuple[tuple[str, Callable[..., dict[str, Any]]], ...]:
-    """Each role and the engine_steps flow that takes its requests through
-    the scheduler together."""
+def _scheduler_flows(chunk_tokens: int | None) -> list[SchedulerFlow]:
+    """The engine_steps flows that take each role's requests through the
+    scheduler together; with ``chunk_tokens``, producers' prompts in chunks
+    of that many tokens too (every long prompt is chunked)."""
     import engine_steps as es
 
-    return (("producer", es.produce_together), ("consumer", es.consume_together))
+    flows = [
+        SchedulerFlow("producer", "producer", es.produce_together),
+        SchedulerFlow("consumer", "consumer", es.consume_together),
+    ]
+    if chunk_tokens:
+        flows.append(
+            SchedulerFlow(
+                "producer, chunked",
+                "producer",
+                functools.partial(es.produce_together, chunk_tokens=chunk_tokens),
+                chunk_tokens,
+            )
+        )
+    return flows
 
 
 def _batch_summary(
@@ -515,8 +546,7 @@ def _batch_summary(
 
 def _run_requests(
     scheduler: Any,
-    role: str,
-    flow: Callable[..., dict[str, Any]],
+    flow: SchedulerFlow,
     num_tokens: int,
     per_step: int,
     runs: int,
@@ -532,21 +562,25 @@ def _run_requests(
             (consumer) the checksums of every request of a run: the time
             measured must be theirs.
     """
-    outcome = "sent" if role == "producer" else "verified"
+    outcome = "sent" if flow.role == "producer" else "verified"
     seconds = 0.0
     for i in range(runs):
         req_ids = [f"{prefix}-{i}-{j}" for j in range(per_step)]
-        counts = flow(scheduler, req_ids, num_tokens, kvguard=kvguard)
+        counts = flow.flow(scheduler, req_ids, num_tokens, kvguard=kvguard)
         if kvguard and counts.get(outcome, 0) != per_step:
             raise RuntimeError(
-                f"{role}: {outcome} {counts.get(outcome, 0)} of {per_step}"
+                f"{flow.name}: {outcome} {counts.get(outcome, 0)} of {per_step}"
             )
         seconds += counts.get("scheduler_seconds", 0.0)
     return seconds
 
 
 def scheduler_cost(
-    block_counts: list[int], per_steps: list[int], requests: int, batches: int
+    block_counts: list[int],
+    per_steps: list[int],
+    requests: int,
+    batches: int,
+    chunk_tokens: int | None = None,
 ) -> None:
     """KVGuard's scheduler-side time per producer and consumer request (its
     stats' ``scheduler_seconds``), in vLLM's real scheduler, with each of
@@ -579,10 +613,10 @@ def scheduler_cost(
 
     for per_step in per_steps:
         fits: dict[str, list[tuple[int, float]]] = {}
-        for role, flow in _scheduler_flows():
+        for flow in _scheduler_flows(chunk_tokens):
             for blocks in block_counts:
-                scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
-                plain, _ = _warm_scheduler(role, flow, blocks, per_step, plain=True)
+                scheduler, num_tokens = _warm_scheduler(flow, blocks, per_step)
+                plain, _ = _warm_scheduler(flow, blocks, per_step, plain=True)
                 clocks = _clock_engine_calls(scheduler), _clock_engine_calls(plain)
                 runs = max(1, requests // per_step)
                 num_requests = runs * per_step
@@ -601,7 +635,6 @@ def scheduler_cost(
                         try:
                             _run_requests(
                                 plain,
-                                role,
                                 flow,
                                 num_tokens,
                                 per_step,
@@ -611,7 +644,6 @@ def scheduler_cost(
                             )
                             kvguard = _run_requests(
                                 scheduler,
-                                role,
                                 flow,
                                 num_tokens,
                                 per_step,
@@ -630,9 +662,9 @@ def scheduler_cost(
                 gc.unfreeze()
                 best, median, steps, base, ratio = _batch_summary(per_batch[False])
                 _, median_gc, _, _, ratio_gc = _batch_summary(per_batch[True])
-                fits.setdefault(role, []).append((blocks, best))
+                fits.setdefault(flow.name, []).append((blocks, best))
                 print(
-                    f"{role:<9} {blocks:>6} blocks, {per_step:>2} per step: "
+                    f"{flow.name:<9} {blocks:>6} blocks, {per_step:>2} per step: "
                     f"{best * 1e6:8.1f} us/request without collections "
                     f"(best of {batches} batches; median {median * 1e6:.1f}), "
                     f"median {median_gc * 1e6:.1f} with; "
@@ -718,7 +750,9 @@ BREAKDOWN = {
 }
 
 
-def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> None:
+def scheduler_breakdown(
+    blocks: int, per_steps: list[int], requests: int, chunk_tokens: int | None = None
+) -> None:
     """Where KVGuard's scheduler-side time per request goes, call by call,
     inside vLLM's scheduler, with each of ``per_steps`` requests going
     through the same steps, without Python's cyclic collector: each call's
@@ -749,8 +783,8 @@ def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> Non
             setattr(cls, name, timed(f"{class_name}.{name}", cls.__dict__[name]))
     try:
         for per_step in per_steps:
-            for role, flow in _scheduler_flows():
-                scheduler, num_tokens = _warm_scheduler(role, flow, blocks, per_step)
+            for flow in _scheduler_flows(chunk_tokens):
+                scheduler, num_tokens = _warm_scheduler(flow, blocks, per_step)
                 totals.clear()
                 calls.clear()
                 runs = max(1, requests // per_step)
@@ -759,14 +793,14 @@ def scheduler_breakdown(blocks: int, per_steps: list[int], requests: int) -> Non
                 gc.disable()
                 try:
                     seconds = _run_requests(
-                        scheduler, role, flow, num_tokens, per_step, runs, "r"
+                        scheduler, flow, num_tokens, per_step, runs, "r"
                     )
                 finally:
                     gc.enable()
                 gc.unfreeze()
                 num_requests = runs * per_step
                 print(
-                    f"{role}, {blocks} blocks, {per_step} per step: "
+                    f"{flow.name}, {blocks} blocks, {per_step} per step: "
                     f"{seconds / num_requests * 1e6:.1f} us per request "
                     "(scheduler_seconds, without collections)"
                 )
@@ -814,6 +848,14 @@ async def main() -> None:
         "through the same engine steps, comma-separated levels",
     )
     parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="--scheduler-cost and --scheduler-breakdown: producers' prompts "
+        "also prefilled in chunks of this many tokens (vLLM's chunked "
+        "prefill, as every long prompt is); 0 for none",
+    )
+    parser.add_argument(
         "--combine",
         nargs="+",
         type=Path,
@@ -836,10 +878,10 @@ async def main() -> None:
         )
         return
     if args.scheduler_breakdown:
-        scheduler_breakdown(blocks=64, per_steps=per_steps, requests=320)
+        scheduler_breakdown(64, per_steps, 320, args.chunk_tokens or None)
         return
     if args.scheduler_cost:
-        scheduler_cost([4, 64, 512, 2048], per_steps, requests=100, batches=5)
+        scheduler_cost([4, 64, 512, 2048], per_steps, 100, 5, args.chunk_tokens or None)
         return
     ensure_model()
     summary = await run(args)

@@ -225,6 +225,9 @@ class Workers:
     finished_sending: set[str] = field(default_factory=set)
     checksums: dict[str, np.ndarray] = field(default_factory=dict)
     kvguard: bool = True
+    # Requests the step prefilled a chunk of, not the prompt's last: no
+    # token sampled.
+    prefilling: set[str] = field(default_factory=set)
 
     def connector_output(self) -> KVConnectorOutput:
         meta = None
@@ -274,7 +277,9 @@ def step(
     processes."""
     output = scheduler.schedule()
     connector_output = workers.connector_output() if workers else KVConnectorOutput()
-    model_output = runner_output(output, connector_output)
+    model_output = runner_output(
+        output, connector_output, workers.prefilling if workers else ()
+    )
     if pickled:
         model_output = shipped(model_output)
     return output, scheduler.update_from_output(output, model_output)
@@ -332,10 +337,13 @@ def produce_together(
     idle_steps: int = 0,
     pickled: bool = False,
     kvguard: bool = True,
+    chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """:func:`produce` for several requests whose steps are the same ones
-    (the scheduler's budget must fit their prompts in one step); without
-    ``kvguard``, the workers are plain NIXL's (no checksums reported)."""
+    (the scheduler's budget must fit their prompts in one step, or with
+    ``chunk_tokens``, a chunk of that many tokens of each: chunked
+    prefill); without ``kvguard``, the workers are plain NIXL's (no
+    checksums reported)."""
     block_size = scheduler.cache_config.block_size
     for req_id in req_ids:
         scheduler.add_request(
@@ -348,7 +356,11 @@ def produce_together(
             )
         )
     sums = block_checksums(num_tokens, block_size=block_size)
-    steps = [Workers(checksums=dict.fromkeys(req_ids, sums), kvguard=kvguard)]
+    chunks = -(-num_tokens // chunk_tokens) if chunk_tokens else 1
+    steps = [
+        Workers(prefilling=set(req_ids), kvguard=kvguard) for _ in range(chunks - 1)
+    ]
+    steps.append(Workers(checksums=dict.fromkeys(req_ids, sums), kvguard=kvguard))
     steps += [Workers(kvguard=kvguard) for _ in range(idle_steps)]
     steps.append(Workers(finished_sending=set(req_ids), kvguard=kvguard))
     return _run(scheduler, steps, pickled)
