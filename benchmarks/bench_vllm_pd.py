@@ -471,7 +471,9 @@ def _warm_scheduler(
         **({"connector": "NixlConnector"} if plain else {}),
     )
     if flow.chunk_tokens:
+        # Each request's prompt in chunks of chunk_tokens, all in each step.
         config.scheduler_config.max_num_batched_tokens = flow.chunk_tokens * per_step
+        config.scheduler_config.long_prefill_token_threshold = flow.chunk_tokens
     scheduler = es.make_scheduler(Scheduler if plain else KVGuardScheduler, config)
     for i in range(10):
         flow.flow(
