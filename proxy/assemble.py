@@ -50,8 +50,18 @@ class Assembler:
                 message = into.setdefault("message", {})
                 if isinstance(value, dict):
                     _merge(message, value)
+            # _merge_item's commonest cases inline: a choice's null fields,
+            # a first scalar (its copy is itself) and a piece of text.
+            elif value is None:
+                into.setdefault(key, None)
             else:
-                _merge(into, {key: value})
+                old = into.get(key)
+                if old is None and not isinstance(value, (dict, list)):
+                    into[key] = value
+                elif key in _PIECES and isinstance(value, str) and isinstance(old, str):
+                    into[key] = old + value
+                else:
+                    _merge_item(into, key, value)
 
     def result(self) -> dict[str, Any]:
         """The assembled reply, shaped like vLLM's non-streaming one."""
@@ -66,26 +76,35 @@ class Assembler:
 
 
 def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
-    """Merges one delta into ``into``: pieces of text join, lists extend
-    (tool calls merge by their ``index``), nested objects merge, other values
-    replace unless null."""
+    """Merges one delta into ``into``, key by key (see ``_merge_item``)."""
     for key, value in delta.items():
-        old = into.get(key)
-        if value is None:
-            into.setdefault(key, None)
-        elif old is None:
-            into[key] = _copy(value)
-        elif isinstance(value, str) and isinstance(old, str) and key in _PIECES:
-            into[key] = old + value
-        elif isinstance(value, list) and isinstance(old, list):
-            if key == "tool_calls":
-                _merge_indexed(old, value)
-            else:
-                old.extend(_copy(value))
-        elif isinstance(value, dict) and isinstance(old, dict):
-            _merge(old, value)
+        _merge_item(into, key, value)
+
+
+def _merge_item(into: dict[str, Any], key: str, value: Any) -> None:
+    """Merges one delta's ``key`` into ``into``: pieces of text join, lists
+    extend (tool calls merge by their ``index``), nested objects merge, other
+    values replace unless null.
+
+    A function per key, not per delta: a choice's fields (about ten a
+    chunk, per token) are merged without a one-key dict each.
+    """
+    old = into.get(key)
+    if value is None:
+        into.setdefault(key, None)
+    elif old is None:
+        into[key] = _copy(value)
+    elif isinstance(value, str) and isinstance(old, str) and key in _PIECES:
+        into[key] = old + value
+    elif isinstance(value, list) and isinstance(old, list):
+        if key == "tool_calls":
+            _merge_indexed(old, value)
         else:
-            into[key] = _copy(value)
+            old.extend(_copy(value))
+    elif isinstance(value, dict) and isinstance(old, dict):
+        _merge(old, value)
+    else:
+        into[key] = _copy(value)
 
 
 def _merge_indexed(into: list[Any], items: list[Any]) -> None:

@@ -154,6 +154,8 @@ class EventReader:
 
 def _event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` lines of one event, or None if it has none."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # one data line, as vLLM writes every event
     parts: list[bytes] = []
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
