@@ -45,6 +45,7 @@ from proxy.body import (
     streams_alike,
 )
 from proxy.errors import error_event, error_response
+from proxy.idle import IdleTimeout
 from proxy.instances import Instance, ModelPools
 from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
 from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
@@ -870,7 +871,6 @@ class Flow:
         resp = first.resp
         limit = cfg.limits.max_reply_bytes
         idle = cfg.timeouts.stream_idle_s
-        loop = asyncio.get_running_loop()
         reader = EventReader()
         reply = Assembler()
         size = len(first.held)
@@ -878,8 +878,9 @@ class Flow:
         done = False
         failure: Failure | None = None
         try:
-            now = time.monotonic()
-            async with asyncio.timeout(min(idle, req.deadline - now)) as timer:
+            now = asyncio.get_running_loop().time()
+            deadline = now + req.deadline - time.monotonic()
+            async with IdleTimeout(idle, deadline) as timer:
                 while failure is None:
                     for data in events:
                         if data.strip() == DONE:
@@ -903,8 +904,7 @@ class Flow:
                         )
                         break
                     events = reader.feed(data)
-                    now = time.monotonic()
-                    timer.reschedule(loop.time() + min(idle, req.deadline - now))
+                    timer.touch()
         except TimeoutError:
             failure = (
                 _total_timeout("decode")
