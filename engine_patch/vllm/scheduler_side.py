@@ -316,23 +316,26 @@ class KVGuardSchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         step: StepBlockIds | None = None
         for req_id, request in self._producers.items():
-            if num_tokens := scheduled.get(req_id):
-                if step is None:
-                    step = StepBlockIds(scheduler_output)
-                # The request's blocks as vLLM lists them for its workers (the
-                # null block is id 0), where known: read, not each block.
-                if self._prefill_ids.enabled:
-                    block_ids = self._prefill_ids.step(
-                        step,
-                        req_id,
-                        request.num_computed_tokens,
-                        num_tokens,
-                        request.num_prompt_tokens,
-                    )
-                else:
-                    block_ids = step.new(req_id)
+            if not (num_tokens := scheduled.get(req_id)):
+                continue
+            computed = request.num_computed_tokens
+            if computed >= request.num_prompt_tokens:
+                # Decoding: its prompt's checksums are sent.
+                continue
+            if step is None:
+                step = StepBlockIds(scheduler_output)
+            # The request's blocks as vLLM lists them for its workers (the
+            # null block is id 0), where known: read, not each block.
+            if self._prefill_ids.enabled:
+                block_ids = self._prefill_ids.step(
+                    step, req_id, computed, num_tokens, request.num_prompt_tokens
+                )
+            else:
+                block_ids = step.new(req_id)
+            if computed + num_tokens >= request.num_prompt_tokens:
+                # The step finishes the prompt.
                 self._checksums.add_send(
-                    RequestAt(request, request.num_computed_tokens + num_tokens),
+                    RequestAt(request, computed + num_tokens),
                     num_tokens,
                     self._kv_cache_manager,
                     block_ids,
