@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,18 +65,19 @@ def test_scheduler_cost_is_measured_with_requests_sharing_steps(
     run_requests = bench._run_requests
 
     def run_noting_the_collector(*args: Any) -> float:
-        if len(args) < 8:  # KVGuard's, not plain NIXL's
+        if len(args) < 7:  # KVGuard's, not plain NIXL's
             collecting.append(gc.isenabled())
         return run_requests(*args)
 
     monkeypatch.setattr(bench, "_run_requests", run_noting_the_collector)
-    bench.scheduler_cost([4, 8], [1, 3], requests=6, batches=2)
+    # 8-block prompts in chunks of 4 blocks: two steps each.
+    bench.scheduler_cost([4, 8], [1, 3], requests=6, batches=2, chunk_tokens=64)
     assert gc.isenabled()
-    # Each batch with collections, then without: 2 per-step levels x 2
-    # roles x 2 block counts x 2 batches.
-    assert collecting == [True, False] * 16
+    # Each batch with collections, then without: 2 per-step levels x 3
+    # flows x 2 block counts x 2 batches.
+    assert collecting == [True, False] * 24
     out = capsys.readouterr().out
-    for role in ("producer", "consumer"):
+    for role in ("producer", "consumer", "producer, chunked"):
         for per_step in (1, 3):
             for blocks in (4, 8):
                 line = (
@@ -96,21 +96,23 @@ def test_scheduler_cost_is_measured_with_requests_sharing_steps(
 def test_scheduler_cost_refuses_a_run_whose_requests_were_not_all_checksummed() -> None:
     bench = _load_bench()
 
-    def flow_counting(counts: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-        return lambda scheduler, req_ids, num_tokens, kvguard: counts
+    def flow_counting(role: str, counts: dict[str, Any]) -> Any:
+        return bench.SchedulerFlow(
+            role, role, lambda scheduler, req_ids, num_tokens, kvguard: counts
+        )
 
-    done = flow_counting({"verified": 3, "scheduler_seconds": 0.25})
-    assert bench._run_requests(None, "consumer", done, 8, 3, 2, "r") == 0.5
+    done = flow_counting("consumer", {"verified": 3, "scheduler_seconds": 0.25})
+    assert bench._run_requests(None, done, 8, 3, 2, "r") == 0.5
     # Plain NIXL's scheduler checksums nothing: its runs are not checked.
-    plain = flow_counting({})
-    assert bench._run_requests(None, "consumer", plain, 8, 3, 1, "p", False) == 0.0
+    plain = flow_counting("consumer", {})
+    assert bench._run_requests(None, plain, 8, 3, 1, "p", False) == 0.0
     with pytest.raises(RuntimeError, match="verified 2 of 3"):
         bench._run_requests(
-            None, "consumer", flow_counting({"verified": 2}), 8, 3, 1, "r"
+            None, flow_counting("consumer", {"verified": 2}), 8, 3, 1, "r"
         )
     with pytest.raises(RuntimeError, match="sent 0 of 1"):
         bench._run_requests(
-            None, "producer", flow_counting({"verified": 1}), 8, 1, 1, "r"
+            None, flow_counting("producer", {"verified": 1}), 8, 1, 1, "r"
         )
 
 
