@@ -47,8 +47,23 @@ async def post(
 ) -> tuple[int, Any]:
     """Status and JSON answer (None for an empty body)."""
     async with session.post(url, json=body, headers=headers) as response:
-        data = await response.read()
-        return response.status, msgspec.json.decode(data) if data else None
+        return await _answer(response)
+
+
+async def post_bytes(
+    session: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    """:func:`post` of a raw body: malformed JSON, another media type."""
+    async with session.post(url, data=data, headers=headers) as response:
+        return await _answer(response)
+
+
+async def _answer(response: aiohttp.ClientResponse) -> tuple[int, Any]:
+    data = await response.read()
+    return response.status, msgspec.json.decode(data) if data else None
 
 
 async def stream(

@@ -16,6 +16,7 @@ from fake_engine_helpers import (
     chat_body,
     completion_body,
     post,
+    post_bytes,
     stream,
     streamed_text,
     text_of,
@@ -280,18 +281,15 @@ async def test_bad_json_gets_vllms_validation_error(
     session: aiohttp.ClientSession, url: str
 ) -> None:
     headers = {"Content-Type": "application/json"}
-    async with session.post(
-        url + COMPLETIONS, data=b'{"prompt": ', headers=headers
-    ) as r:
-        assert r.status == 400
-        answer = await r.json()
+    status, answer = await post_bytes(
+        session, url + COMPLETIONS, b'{"prompt": ', headers
+    )
+    assert status == 400
     assert_vllm_error(answer, 400, SCHEMA, answer["error"]["param"])
     assert "JSON decode error" in answer["error"]["message"]
-    async with session.post(url + COMPLETIONS, data=b"prompt=x") as r:
-        assert r.status == 400
-        assert (
-            "Only 'application/json' is allowed" in (await r.json())["error"]["message"]
-        )
+    status, answer = await post_bytes(session, url + COMPLETIONS, b"prompt=x")
+    assert status == 400
+    assert "Only 'application/json' is allowed" in answer["error"]["message"]
 
 
 async def test_unknown_model_gets_a_404(

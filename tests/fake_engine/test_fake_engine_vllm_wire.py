@@ -20,6 +20,7 @@ from fake_engine_helpers import (
     chat_body,
     completion_body,
     post,
+    post_bytes,
     stream,
 )
 
@@ -157,16 +158,14 @@ async def test_body_failing_fastapi_validation_is_typed_bad_request(
     assert status == 400
     assert vllm_error(answer, "Bad Request", "body.prompt")
     headers = {"Content-Type": "application/json"}
-    async with session.post(
-        url + COMPLETIONS, data=b'{"prompt": ', headers=headers
-    ) as response:
-        assert response.status == 400
-        answer = await response.json()
+    status, answer = await post_bytes(
+        session, url + COMPLETIONS, b'{"prompt": ', headers
+    )
+    assert status == 400
     message = vllm_error(answer, "Bad Request", answer["error"]["param"])
     assert "'input': '<dict of 0 items>'" in message
-    async with session.post(url + COMPLETIONS, data=b"prompt=x") as response:
-        assert response.status == 400
-        answer = await response.json()
+    status, answer = await post_bytes(session, url + COMPLETIONS, b"prompt=x")
+    assert status == 400
     assert vllm_error(answer, "Bad Request", None) == (
         "1 validation error:\n  Unsupported Media Type: Only "
         "'application/json' is allowed"
