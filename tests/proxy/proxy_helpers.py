@@ -41,6 +41,13 @@ async def admin(
         return resp.status, await resp.json()
 
 
+async def add_prefill(px: RunningProxy, url: str) -> tuple[int, Any]:
+    """The admin API's answer to adding the prefill at ``url``."""
+    return await admin(
+        px, "POST", "/admin/instances", json={"role": "prefill", "url": url}
+    )
+
+
 def expected_text(prompt: Any, max_tokens: int) -> str:
     """What every stub (prefill+decode, or monolithic) generates for a prompt."""
     seed = sum(msgspec.json.encode(prompt)) % 97

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
-from proxy_helpers import StubEngine, admin, make_config
+from proxy_helpers import StubEngine, add_prefill, admin, make_config
 
 import proxy.discovery
 from proxy.config import load_config
@@ -135,9 +135,7 @@ async def test_an_address_the_admin_api_removed_returns_when_it_adds_it_back(
     async with proxy_that_found(stubs, dns, tmp_path) as (px, _, found):
         await admin(px, "DELETE", "/admin/instances", json={"url": found.url})
         await px.state.discovery.refresh()
-        status, _ = await admin(
-            px, "POST", "/admin/instances", json={"role": "prefill", "url": found.url}
-        )
+        status, _ = await add_prefill(px, found.url)
         assert status == 200
         await px.state.discovery.refresh()
         (back,) = px.state.find(found.url, "prefill")
@@ -216,9 +214,7 @@ async def test_an_instance_the_admin_api_adds_takes_traffic_once_a_probe_passes(
     added.mode = "unhealthy"  # its /health fails; it would answer completions
     config = make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
     async with running_proxy(config) as px:
-        status, body = await admin(
-            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
-        )
+        status, body = await add_prefill(px, added.url)
         assert status == 200 and not listed(body, added.url)["healthy"]
         await complete(px, 4)
         assert not added.requests
@@ -238,9 +234,7 @@ async def test_an_instance_the_admin_api_adds_is_probed_before_the_answer(
         [p.url], [d.url], auth={"admin_key_env": "ADM"}, health={"interval_s": 3600}
     )
     async with running_proxy(config) as px:
-        status, body = await admin(
-            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
-        )
+        status, body = await add_prefill(px, added.url)
         assert status == 200 and listed(body, added.url)["healthy"]
         assert added.health_checks == 1
         await complete(px, 4)
@@ -290,9 +284,7 @@ async def test_without_health_checks_an_added_instance_enters_at_once(
         [p.url], [d.url], auth={"admin_key_env": "ADM"}, health={"enabled": False}
     )
     async with running_proxy(config) as px:
-        status, body = await admin(
-            px, "POST", "/admin/instances", json={"role": "prefill", "url": added.url}
-        )
+        status, body = await add_prefill(px, added.url)
         assert status == 200 and listed(body, added.url)["healthy"]
         assert added.health_checks == 0
         await complete(px, 2)

@@ -9,7 +9,7 @@ import time
 
 import msgspec
 import pytest
-from proxy_helpers import StubEngine, admin, expected_text, make_config
+from proxy_helpers import StubEngine, add_prefill, admin, expected_text, make_config
 
 import proxy.state
 from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
@@ -226,9 +226,7 @@ async def test_admin_drain_add_remove_steer_new_requests(stubs, monkeypatch):
     p1, p2, d = await stubs(), await stubs(), await stubs()
     config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
     async with running_proxy(config) as px:
-        status, _ = await admin(
-            px, "POST", "/admin/instances", json={"role": "prefill", "url": p2.url}
-        )
+        status, _ = await add_prefill(px, p2.url)
         assert status == 200
         status, _ = await admin(
             px, "POST", "/admin/instances/drain", json={"url": p1.url}
