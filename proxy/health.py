@@ -8,8 +8,9 @@ it answered that did not repeat elsewhere (once per request, never against
 an instance that served it; the flow decides, see ``Flow._settle``). An
 instance ejected for integrity failures returns only after its cooldown
 *and* a passing probe.
-An instance added to a serving proxy (admin API, reload) is probed before it
-joins, and takes traffic only once a probe passes, as a new DNS address does.
+An instance is probed before it takes traffic: at startup, before the proxy
+listens; added to a serving proxy (admin API, reload), before it joins. It
+takes traffic only once a probe passes, as a new DNS address does.
 """
 
 from __future__ import annotations
@@ -125,17 +126,28 @@ class Health:
     async def first_probe(
         self, joining: Collection[Instance], cfg: HealthConfig | None = None
     ) -> None:
-        """Judges ``joining``, instances about to join a serving proxy's pools,
+        """Judges ``joining``, instances about to take traffic (the
+        configured ones at startup, or ones joining a serving proxy's pools),
         by one probe each, sent now, all at once: with health checks on (in
         ``cfg``, the configuration they join under) each takes traffic only
-        once a probe passes, and a healthy one waits one probe, not a round.
-        With them off nothing would probe them in: they join as they are."""
+        once a probe passes. One pass admits an instance that has never
+        failed (``healthy_threshold`` counts passes that bring one *back*),
+        so a healthy one waits one probe, not a round. With health checks
+        off nothing would probe them in: they join as they are."""
         cfg = cfg or self.state.config.health
         if not cfg.enabled:
             return
+
+        async def judge(inst: Instance) -> None:
+            started = time.monotonic()
+            ok = await self.probe(inst.url, inst.headers, cfg)
+            self._probed(inst, ok, started, cfg)
+            if ok and inst.failed_at < started:
+                inst.healthy = True
+
         for inst in joining:
             inst.healthy = False
-        await asyncio.gather(*(self.probe_instance(i, cfg) for i in joining))
+        await asyncio.gather(*(judge(i) for i in joining))
 
     async def check_all(self) -> None:
         """Probes every distinct URL once; each result applies to its URL's
@@ -152,8 +164,12 @@ class Health:
 
         await asyncio.gather(*(check(instances) for instances in by_url.values()))
 
-    async def run(self) -> None:
-        """Probes forever at the configured interval (cancel to stop)."""
+    async def run(self, *, probed: bool = False) -> None:
+        """Probes forever at the configured interval (cancel to stop); the
+        first round one interval from now if every instance was just
+        ``probed``."""
+        if probed:
+            await asyncio.sleep(self.state.config.health.interval_s)
         while True:
             cfg = self.state.config.health
             if cfg.enabled:

@@ -82,7 +82,8 @@ class ProxyState:
         """Makes ``config`` current, keeping the state of instances it still lists.
 
         An instance it adds is taken from ``joining`` (a reload probes them
-        first), or else made and trusted at once, as at startup.
+        first), or else made and trusted at once (:meth:`start` then probes
+        the first configuration's).
 
         Raises:
             ConfigError: a key named in ``auth`` or an instance cannot be read;
@@ -278,7 +279,9 @@ class ProxyState:
         return self._upstream
 
     async def start(self, app: web.Application | None = None) -> None:
-        """Opens the pooled session and starts health checks.
+        """Opens the pooled session, probes the configured instances once
+        (with health checks on, each takes traffic only once a probe passes)
+        and starts health checks.
 
         ``timeouts.backend_keepalive_s`` is read here: a reload keeps the pool.
         """
@@ -288,7 +291,21 @@ class ProxyState:
             lambda role: reconnects.labels(role).inc(),
         )
         self._session = self._upstream.session
-        self._health_task = asyncio.create_task(self.health.run())
+        configured = list(self.all_instances())
+        # Before the proxy listens: an instance still starting (or gone)
+        # takes no traffic until a probe passes, and /readiness says so.
+        await self.health.first_probe(configured)
+        for inst in configured:
+            if not inst.healthy:
+                log.warning(
+                    "%s %s failed its first health probe: out of rotation "
+                    "until one passes",
+                    inst.role,
+                    inst.url,
+                )
+        self._health_task = asyncio.create_task(
+            self.health.run(probed=bool(configured))
+        )
         self._discovery_task = asyncio.create_task(self.discovery.run())
 
     async def stop(self, app: web.Application | None = None) -> None:

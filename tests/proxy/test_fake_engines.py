@@ -269,7 +269,13 @@ async def test_decode_down_before_start_is_retried_elsewhere():
     async with fake_engines(PRODUCER, CONSUMER, CONSUMER, MONOLITH) as urls:
         p, d_dead, d_ok, mono = urls
         await urls.stop(1)
-        config = make_config([p], [d_dead, d_ok], retry={"backoff_base_s": 0.001})
+        # Health checks off: on, the startup probe would keep it out of rotation.
+        config = make_config(
+            [p],
+            [d_dead, d_ok],
+            retry={"backoff_base_s": 0.001},
+            health={"enabled": False},
+        )
         async with running_proxy(config) as px, aiohttp.ClientSession() as s:
             refs = await references(s, mono)
             results = await run_load(px.url, refs, 10, 2)
@@ -283,7 +289,9 @@ async def test_every_prefill_down_gives_503_within_the_connect_timeout():
         p1, p2, d = urls
         await urls.stop(0)
         await urls.stop(1)
-        config = make_config([p1, p2], [d], timeouts={"connect_s": 1.0})
+        config = make_config(
+            [p1, p2], [d], timeouts={"connect_s": 1.0}, health={"enabled": False}
+        )
         async with running_proxy(config) as px:
             started = time.monotonic()
             resp = await px.post(

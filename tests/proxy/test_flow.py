@@ -360,7 +360,10 @@ async def test_idle_decode_stream_ends_with_an_error_event_within_the_idle_timeo
 async def test_decode_down_before_start_is_retried_on_another_decode(stubs):
     p, d = await stubs(), await stubs()
     down = f"http://127.0.0.1:{free_port()}"
-    config = make_config([p.url], [down, d.url], retry={"backoff_base_s": 0})
+    # Health checks off: on, the startup probe would keep it out of rotation.
+    config = make_config(
+        [p.url], [down, d.url], retry={"backoff_base_s": 0}, health={"enabled": False}
+    )
     async with running_proxy(config) as px:
         for stream in (False, True, False, True):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
@@ -371,7 +374,9 @@ async def test_decode_down_before_start_is_retried_on_another_decode(stubs):
 async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
     d = await stubs()
     downs = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    config = make_config(downs, [d.url], timeouts={"connect_s": 1.0})
+    config = make_config(
+        downs, [d.url], timeouts={"connect_s": 1.0}, health={"enabled": False}
+    )
     async with running_proxy(config) as px:
         started = time.monotonic()
         resp = await px.post("/v1/completions", COMPLETION)

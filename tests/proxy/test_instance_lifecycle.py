@@ -20,6 +20,7 @@ from proxy_helpers import StubEngine, add_prefill, admin, make_config
 import proxy.discovery
 from proxy.config import load_config
 from proxy.testing import RunningProxy, running_proxy
+from tests.support.ports import free_port
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
 NAME = "prefill.kv.test"
@@ -204,6 +205,76 @@ async def test_an_admin_undrain_does_not_readmit_an_address_that_left_dns(
 
 
 # ------------------------------------------------- probed before any traffic
+
+
+async def test_a_configured_instance_down_at_startup_takes_traffic_once_a_probe_passes(
+    stubs,
+):
+    p, d, sick = await stubs(), await stubs(), await stubs()
+    sick.mode = "unhealthy"  # its /health fails; it would answer completions
+    async with running_proxy(make_config([p.url, sick.url], [d.url])) as px:
+        assert not px.state.find(sick.url)[0].healthy
+        await complete(px, 4)
+        assert not sick.requests and len(p.requests) == 4
+        sick.mode = "ok"
+        await px.state.health.check_all()
+        await complete(px, 4)
+        assert sick.requests
+
+
+async def test_the_configured_instances_are_probed_before_the_proxy_listens(stubs):
+    # The next round is a whole interval (an hour here) away.
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], health={"interval_s": 3600})
+    async with running_proxy(config) as px:
+        assert (p.health_checks, d.health_checks) == (1, 1)
+        resp = await px.session.get(px.url + "/readiness")
+        assert resp.status == 200
+        await complete(px, 2)
+        assert (p.health_checks, d.health_checks) == (1, 1)
+
+
+async def test_readiness_fails_from_startup_while_no_decode_passes_a_probe(stubs):
+    p, d = await stubs(), await stubs()
+    d.mode = "unhealthy"
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.session.get(px.url + "/readiness")
+        assert resp.status == 503
+        assert "no healthy decode" in (await resp.json())["problems"][0]
+        d.mode = "ok"
+        await px.state.health.check_all()
+        resp = await px.session.get(px.url + "/readiness")
+        assert resp.status == 200
+
+
+async def test_an_unreachable_configured_instance_is_never_tried(stubs):
+    p, d = await stubs(), await stubs()
+    down = f"http://127.0.0.1:{free_port()}"
+    async with running_proxy(make_config([down, p.url], [d.url])) as px:
+        await complete(px, 4)
+        metrics = await px.metrics()
+    assert len(p.requests) == 4
+    assert "kvguard_proxy_retries_total{" not in metrics
+
+
+async def test_one_passing_probe_admits_a_new_instance_whatever_healthy_threshold(
+    stubs,
+):
+    # The threshold counts passes that bring a failed instance back.
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], health={"healthy_threshold": 3})
+    async with running_proxy(config) as px:
+        await complete(px, 2)
+        assert len(p.requests) == 2
+
+
+async def test_without_health_checks_configured_instances_serve_unprobed(stubs):
+    p, d = await stubs(), await stubs()
+    p.mode = "unhealthy"
+    config = make_config([p.url], [d.url], health={"enabled": False})
+    async with running_proxy(config) as px:
+        await complete(px, 2)
+        assert len(p.requests) == 2 and p.health_checks == 0
 
 
 async def test_an_instance_the_admin_api_adds_takes_traffic_once_a_probe_passes(
