@@ -117,10 +117,15 @@ class Health:
     async def probe_instance(
         self, inst: Instance, cfg: HealthConfig | None = None
     ) -> bool:
-        """Probes ``inst`` now and applies the result (a new instance's way in)."""
+        """Probes ``inst``, a new instance out of rotation, now and applies
+        the result: one pass admits it (``healthy_threshold`` counts the
+        passes that bring a failed instance *back*), unless a failure was
+        noted on it since the probe was sent."""
         started = time.monotonic()
         ok = await self.probe(inst.url, inst.headers, cfg)
         self._probed(inst, ok, started, cfg)
+        if ok and inst.failed_at < started:
+            inst.healthy = True
         return ok
 
     async def first_probe(
@@ -128,26 +133,17 @@ class Health:
     ) -> None:
         """Judges ``joining``, instances about to take traffic (the
         configured ones at startup, or ones joining a serving proxy's pools),
-        by one probe each, sent now, all at once: with health checks on (in
-        ``cfg``, the configuration they join under) each takes traffic only
-        once a probe passes. One pass admits an instance that has never
-        failed (``healthy_threshold`` counts passes that bring one *back*),
-        so a healthy one waits one probe, not a round. With health checks
-        off nothing would probe them in: they join as they are."""
+        by one probe each (:meth:`probe_instance`), sent now, all at once:
+        with health checks on (in ``cfg``, the configuration they join under)
+        each takes traffic only once a probe passes, and a healthy one waits
+        one probe, not a round. With health checks off nothing would probe
+        them in: they join as they are."""
         cfg = cfg or self.state.config.health
         if not cfg.enabled:
             return
-
-        async def judge(inst: Instance) -> None:
-            started = time.monotonic()
-            ok = await self.probe(inst.url, inst.headers, cfg)
-            self._probed(inst, ok, started, cfg)
-            if ok and inst.failed_at < started:
-                inst.healthy = True
-
         for inst in joining:
             inst.healthy = False
-        await asyncio.gather(*(judge(i) for i in joining))
+        await asyncio.gather(*(self.probe_instance(i, cfg) for i in joining))
 
     async def check_all(self) -> None:
         """Probes every distinct URL once; each result applies to its URL's

@@ -60,7 +60,9 @@ def dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDns]:
     yield resolver
 
 
-def dns_config_yaml(configured: str, port: int, decode: str) -> str:
+def dns_config_yaml(
+    configured: str, port: int, decode: str, health: str = "{interval_s: 3600}"
+) -> str:
     """A prefill pool of ``configured`` and every address of NAME on ``port``."""
     return f"""
 models:
@@ -72,7 +74,7 @@ models:
     decode: {{instances: [{{url: "{decode}"}}]}}
 auth: {{admin_key_env: ADM}}
 discovery: {{interval_s: 3600}}
-health: {{interval_s: 3600}}
+health: {health}
 """
 
 
@@ -266,6 +268,30 @@ async def test_one_passing_probe_admits_a_new_instance_whatever_healthy_threshol
     async with running_proxy(config) as px:
         await complete(px, 2)
         assert len(p.requests) == 2
+
+
+async def test_an_address_dns_finds_enters_on_its_first_passing_probe(
+    stubs, dns, tmp_path
+):
+    # healthy_threshold counts passes that bring a failed instance back.
+    configured, found, decode = await stubs(), await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        dns_config_yaml(
+            configured.url,
+            found.port,
+            decode.url,
+            health="{interval_s: 3600, healthy_threshold: 3}",
+        )
+    )
+    dns.records[NAME] = ["127.0.0.1"]
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        await px.state.discovery.refresh()
+        (inst,) = px.state.find(found.url, "prefill")
+        await until(lambda: found.health_checks == 1, "the found prefill probed")
+        await until(lambda: inst.healthy, "the found prefill in rotation")
+        await complete(px, 4)
+        assert found.requests
 
 
 async def test_without_health_checks_configured_instances_serve_unprobed(stubs):
