@@ -24,6 +24,7 @@ _TOO_DEEP = "Request body is nested too deeply"
 # vLLM reads a body into pydantic models in lax mode, where a ``bool | None``
 # field also takes "true", "yes", "on", "1", 1, 1.0 and their false twins.
 _vllm_bool = pydantic.TypeAdapter(bool | None).validate_python
+_vllm_int = pydantic.TypeAdapter(int | None).validate_python
 
 # What the proxy asks of the prefill (docs/wire.md, "Proxy → prefill").
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -171,6 +172,21 @@ def streams_alike(req: ClientRequest) -> bool:
     """
     obj = req.obj
     return not obj.get("stream_options") and not obj.get("prompt_logprobs")
+
+
+def several_choices(req: ClientRequest) -> bool:
+    """Whether the request asks for more than one choice (``n`` > 1).
+
+    vLLM makes each of the ``n`` choices a request of its own, and each one
+    on a decode would pull the same prefill's KV, which the producer frees
+    after the first pull (docs/wire.md, "Several choices"). A value vLLM
+    refuses counts as one: its 400 then comes from the prefill, unchanged.
+    """
+    try:
+        n = _vllm_int(req.obj.get("n"))
+    except pydantic.ValidationError:
+        return False
+    return n is not None and n > 1
 
 
 def stream_body(req: ClientRequest) -> bytes:

@@ -41,6 +41,7 @@ from proxy.body import (
     prefill_body,
     prefix_key,
     remote_request_id,
+    several_choices,
     stream_body,
     streams_alike,
 )
@@ -158,6 +159,8 @@ class _Request:
     # non-streaming request decoded as a stream, ``stream_body``'s.
     decode_raw: bytes = b""
     assemble: bool = False  # a stream decoded for a non-streaming client
+    # Every attempt's decode prefills locally (no prefill leg): n > 1.
+    local_prefill: bool = False
     outcome: str | None = None
     # Failures that count against their ``instance`` only if the request is served.
     unsettled: list[Failure] = field(default_factory=list)
@@ -179,8 +182,9 @@ class Attempt:
     """One try at a request: a prefill on one instance, a decode on another.
 
     The legs fill in what they saw; ``record`` turns it into the attempt's
-    log line. ``prefill`` is None for the decode-only fallback, whose decode
-    prefills locally. The decode loads KV exactly when ``kv_params`` is set.
+    log line. ``prefill`` is None where the decode prefills locally: the
+    decode-only fallback, and every attempt of a request for several
+    choices. The decode loads KV exactly when ``kv_params`` is set.
     """
 
     id: str  # the X-Request-Id both legs get: the request's backend_id + suffix
@@ -403,7 +407,9 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.prefill_body = prefill_body(req.body)
+        req.local_prefill = several_choices(req.body)
+        if not req.local_prefill:
+            req.prefill_body = prefill_body(req.body)
         req.decode_raw = req.body.raw
         if (
             not req.body.stream
@@ -445,12 +451,18 @@ class Flow:
 
     @staticmethod
     def _failed_alike(req: _Request, failure: Failure) -> bool:
-        """``failure`` repeats an earlier one of ``req`` on other instances."""
+        """``failure`` repeats an earlier one of ``req`` on other instances
+        (for a decode's, not with KV from the same prefill: a local prefill's
+        shares none)."""
         return any(
             f.role == failure.role
             and f.reason == failure.reason
             and f.instance is not failure.instance
-            and (f.role == "prefill" or f.prefill is not failure.prefill)
+            and (
+                f.role == "prefill"
+                or f.prefill is None
+                or f.prefill is not failure.prefill
+            )
             for f in req.unsettled
         )
 
@@ -473,16 +485,18 @@ class Flow:
                     )
                     if req.expired():
                         break
-                prefill = st.router.pick(
-                    pools.prefill,
-                    req.key,
-                    avoid_p,
-                    probing=probing,
-                    partners=pools.decode,
-                )
-                if prefill is None:
-                    reason = "no healthy prefill instance"
-                    break
+                prefill = None
+                if not req.local_prefill:
+                    prefill = st.router.pick(
+                        pools.prefill,
+                        req.key,
+                        avoid_p,
+                        probing=probing,
+                        partners=pools.decode,
+                    )
+                    if prefill is None:
+                        reason = "no healthy prefill instance"
+                        break
                 decode = st.router.pick(
                     pools.decode, req.key, avoid_d, partner=prefill, probing=probing
                 )
@@ -511,12 +525,15 @@ class Flow:
                     req.unsettled.append(result)
                 failure = result
                 reason = f"{result.role} failed: {result.message}"
-                avoid_p.add(prefill)
+                if prefill is not None:
+                    avoid_p.add(prefill)
                 if result.role == "decode":
                     avoid_d.add(decode)
             # A total-timeout failure is made only once the deadline has passed.
             expired = req.expired()
-            if cfg.retry.on_exhausted == "decode_only" and not expired:
+            # Attempts that prefilled locally already were the fallback.
+            fallback = cfg.retry.on_exhausted == "decode_only"
+            if fallback and not req.local_prefill and not expired:
                 result = await self._decode_only(req, avoid_d, failure)
                 if not isinstance(result, Failure):
                     return result
@@ -634,7 +651,7 @@ class Flow:
             self._finish(req, "upstream_4xx")
             return result.response
         # The decode-only fallback's log says so, whatever the stream did.
-        attempt.outcome = "decode_only" if attempt.prefill is None else result.outcome
+        attempt.outcome = "decode_only" if attempt.number is None else result.outcome
         self._finish(req, result.outcome)
         return result.response
 

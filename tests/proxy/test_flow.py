@@ -439,6 +439,69 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
     assert "kv_transfer_params" not in d.bodies()[-1]
 
 
+# ---------------------------------------------------- several choices (n > 1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("n", [2, "3"], ids=["int", "lax-string"])
+async def test_a_request_for_several_choices_is_prefilled_on_the_decode(
+    stubs, stream, n
+):
+    # Each of vLLM's n choices would pull the same prefill's KV, which the
+    # producer frees after the first pull.
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(
+            "/v1/completions", {**COMPLETION, "n": n, "stream": stream}
+        )
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert not p.requests
+    (body,) = d.bodies()
+    assert body["n"] == n and "kv_transfer_params" not in body
+
+
+async def test_an_n_vllm_refuses_goes_through_a_prefill_for_its_400(stubs):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "n": "two"})
+        await resp.read()
+    assert p.bodies() and p.bodies()[0]["n"] == "two"
+
+
+async def test_a_request_for_several_choices_is_retried_on_another_decode(stubs):
+    p, bad, good = await stubs(), await stubs("error500"), await stubs()
+    config = make_config(
+        [p.url],
+        [bad.url, good.url],
+        retry={"backoff_base_s": 0, "on_exhausted": "decode_only"},
+    )
+    async with running_proxy(config) as px:
+        for _ in range(2):
+            resp = await px.post("/v1/completions", {**COMPLETION, "n": 2})
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+    assert not p.requests and len(good.requests) == 2
+    assert all("kv_transfer_params" not in b for b in good.bodies())
+
+
+async def test_several_choices_failing_alike_on_two_decodes_fail_fast(stubs):
+    # No prefill's KV is shared between the attempts: the request is at fault.
+    p = await stubs()
+    decodes = [await stubs("error500") for _ in range(3)]
+    config = make_config(
+        [p.url],
+        [d.url for d in decodes],
+        retry={"max_attempts": 3, "backoff_base_s": 0},
+    )
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "n": 2})
+        body = await resp.json()
+    assert resp.status == 500
+    assert "the same way on two decode instances" in body["error"]["message"]
+    assert sum(len(d.requests) for d in decodes) == 2
+
+
 async def test_client_disconnect_mid_stream_aborts_the_decode(stubs):
     p, d = await stubs(), await stubs(chunk_delay=0.2)
     async with running_proxy(make_config([p.url], [d.url])) as px:

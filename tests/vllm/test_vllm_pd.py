@@ -27,10 +27,12 @@ from typing import Any
 import aiohttp
 import pytest
 from vllm_client import (
+    MODEL_NAME,
     complete,
     deltas,
     error_message,
     metrics,
+    post,
     prompts,
     stream_text,
     text_of,
@@ -304,6 +306,31 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert_holds(change, mode)
     # A clean load's KV serves later requests of its prompt.
     assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
+
+
+async def test_several_choices_through_the_proxy_are_prefilled_on_the_decode(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    # Each choice would pull the same prefill's KV (docs/wire.md).
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    async with Changes(http, servers, mode) as change:
+        for i, prompt in enumerate(PROMPTS[:FEW]):
+            body = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "n": 2,
+                "temperature": 0.8,
+                "seed": i,
+            }
+            url = f"{proxy_url(servers, mode)}/v1/completions"
+            status, answer = await post(http, url, body, f"n2-{mode}-{i}")
+            assert status == 200, answer
+            assert len(answer["choices"]) == 2
+    assert change.producer.get("kvguard_kv_checksum_sent_total", 0) == 0
+    for name in ("checksum_verified", "checksum_mismatch", "load_failures"):
+        assert change.consumer_count(name) == 0, name
+    assert change.retries == 0
 
 
 async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
