@@ -174,19 +174,33 @@ def streams_alike(req: ClientRequest) -> bool:
     return not obj.get("stream_options") and not obj.get("prompt_logprobs")
 
 
-def several_choices(req: ClientRequest) -> bool:
-    """Whether the request asks for more than one choice (``n`` > 1).
+def several_requests(req: ClientRequest) -> bool:
+    """Whether vLLM runs the request as several requests of its own: more
+    than one choice (``n`` > 1) or, for completions, more than one prompt.
 
-    vLLM makes each of the ``n`` choices a request of its own, and each one
-    on a decode would pull the same prefill's KV, which the producer frees
-    after the first pull (docs/wire.md, "Several choices"). A value vLLM
-    refuses counts as one: its 400 then comes from the prefill, unchanged.
+    Each of them on a decode would pull the same prefill's KV (the prefill
+    returns the params of one): the producer frees it after the first pull,
+    and a longer prompt than the prefill's fails NIXL's worker, which stops
+    the decode's engine (docs/wire.md, "Several choices or prompts"). An
+    ``n`` vLLM refuses counts as one: its 400 then comes from the prefill.
     """
+    obj = req.obj
     try:
-        n = _vllm_int(req.obj.get("n"))
+        n = _vllm_int(obj.get("n"))
     except pydantic.ValidationError:
-        return False
-    return n is not None and n > 1
+        n = None
+    if n is not None and n > 1:
+        return True
+    return _num_prompts(obj.get("prompt")) + _num_prompts(obj.get("prompt_embeds")) > 1
+
+
+def _num_prompts(value: Any) -> int:
+    """The prompts of a completions ``prompt`` or ``prompt_embeds`` value: a
+    list of token ids is one, a list of strings or of token-id lists one
+    each."""
+    if isinstance(value, list):
+        return 1 if value and isinstance(value[0], int) else len(value)
+    return 0 if value is None else 1
 
 
 def stream_body(req: ClientRequest) -> bytes:

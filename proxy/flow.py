@@ -41,7 +41,7 @@ from proxy.body import (
     prefill_body,
     prefix_key,
     remote_request_id,
-    several_choices,
+    several_requests,
     stream_body,
     streams_alike,
 )
@@ -159,7 +159,8 @@ class _Request:
     # non-streaming request decoded as a stream, ``stream_body``'s.
     decode_raw: bytes = b""
     assemble: bool = False  # a stream decoded for a non-streaming client
-    # Every attempt's decode prefills locally (no prefill leg): n > 1.
+    # Every attempt's decode prefills locally (no prefill leg): vLLM runs
+    # the request as several (n > 1, several prompts).
     local_prefill: bool = False
     outcome: str | None = None
     # Failures that count against their ``instance`` only if the request is served.
@@ -183,8 +184,9 @@ class Attempt:
 
     The legs fill in what they saw; ``record`` turns it into the attempt's
     log line. ``prefill`` is None where the decode prefills locally: the
-    decode-only fallback, and every attempt of a request for several
-    choices. The decode loads KV exactly when ``kv_params`` is set.
+    decode-only fallback, and every attempt of a request vLLM runs as
+    several (``body.several_requests``). The decode loads KV exactly when
+    ``kv_params`` is set.
     """
 
     id: str  # the X-Request-Id both legs get: the request's backend_id + suffix
@@ -407,7 +409,7 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.local_prefill = several_choices(req.body)
+        req.local_prefill = several_requests(req.body)
         if not req.local_prefill:
             req.prefill_body = prefill_body(req.body)
         req.decode_raw = req.body.raw

@@ -439,26 +439,53 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
     assert "kv_transfer_params" not in d.bodies()[-1]
 
 
-# ---------------------------------------------------- several choices (n > 1)
+# ------------------------------------ several choices or prompts: local prefill
+
+# Bodies vLLM runs as several requests of its own: each would pull the same
+# prefill's KV (docs/wire.md).
+SEVERAL = {
+    "n-2": {"n": 2},
+    "n-lax-string": {"n": "3"},
+    "two-prompts": {"prompt": ["one", "two"]},
+    "two-token-prompts": {"prompt": [[1, 2], [3, 4]]},
+    "prompt-and-embeds": {"prompt": "one", "prompt_embeds": "AAAA"},
+}
+# Bodies vLLM runs as one request.
+ONE = {
+    "n-1": {"n": 1},
+    "one-prompt-list": {"prompt": ["one"]},
+    "token-ids": {"prompt": [1, 2, 3]},
+    "one-token-list": {"prompt": [[1, 2, 3]]},
+}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("n", [2, "3"], ids=["int", "lax-string"])
-async def test_a_request_for_several_choices_is_prefilled_on_the_decode(
-    stubs, stream, n
+@pytest.mark.parametrize("fields", SEVERAL.values(), ids=SEVERAL.keys())
+async def test_a_request_vllm_runs_as_several_is_prefilled_on_the_decode(
+    stubs, stream, fields
 ):
-    # Each of vLLM's n choices would pull the same prefill's KV, which the
-    # producer frees after the first pull.
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
         resp = await px.post(
-            "/v1/completions", {**COMPLETION, "n": n, "stream": stream}
+            "/v1/completions", {**COMPLETION, **fields, "stream": stream}
         )
         assert resp.status == 200, await resp.text()
         await resp.read()
     assert not p.requests
     (body,) = d.bodies()
-    assert body["n"] == n and "kv_transfer_params" not in body
+    assert "kv_transfer_params" not in body
+    assert {name: body[name] for name in fields} == fields
+
+
+@pytest.mark.parametrize("fields", ONE.values(), ids=ONE.keys())
+async def test_a_request_vllm_runs_as_one_goes_through_a_prefill(stubs, fields):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, **fields})
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert len(p.requests) == 1
+    assert "kv_transfer_params" in d.bodies()[0]
 
 
 async def test_an_n_vllm_refuses_goes_through_a_prefill_for_its_400(stubs):

@@ -308,23 +308,22 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
 
 
-async def test_several_choices_through_the_proxy_are_prefilled_on_the_decode(
-    http: aiohttp.ClientSession, servers: Servers, mode: str
+@pytest.mark.parametrize("several", ["choices", "prompts"])
+async def test_requests_vllm_runs_as_several_are_prefilled_on_the_decode(
+    http: aiohttp.ClientSession, servers: Servers, mode: str, several: str
 ) -> None:
-    # Each choice would pull the same prefill's KV (docs/wire.md).
+    # Each of them would pull the same prefill's KV; with several prompts a
+    # longer one than the prefill's stops the decode's engine (docs/wire.md).
     await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
     async with Changes(http, servers, mode) as change:
         for i, prompt in enumerate(PROMPTS[:FEW]):
-            body = {
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "n": 2,
-                "temperature": 0.8,
-                "seed": i,
-            }
+            body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS}
+            if several == "choices":
+                body.update(prompt=prompt, n=2, temperature=0.8, seed=i)
+            else:
+                body.update(prompt=[prompt, PROMPTS[-1 - i]], temperature=0)
             url = f"{proxy_url(servers, mode)}/v1/completions"
-            status, answer = await post(http, url, body, f"n2-{mode}-{i}")
+            status, answer = await post(http, url, body, f"{several}-{mode}-{i}")
             assert status == 200, answer
             assert len(answer["choices"]) == 2
     assert change.producer.get("kvguard_kv_checksum_sent_total", 0) == 0
