@@ -174,7 +174,7 @@ def streams_alike(req: ClientRequest) -> bool:
     return not obj.get("stream_options") and not obj.get("prompt_logprobs")
 
 
-def several_requests(req: ClientRequest) -> bool:
+def several_requests(req: ClientRequest, route: Route) -> bool:
     """Whether vLLM runs the request as several requests of its own: more
     than one choice (``n`` > 1) or, for completions, more than one prompt.
 
@@ -191,6 +191,8 @@ def several_requests(req: ClientRequest) -> bool:
         n = None
     if n is not None and n > 1:
         return True
+    if route is not Route.COMPLETIONS:
+        return False
     return _num_prompts(obj.get("prompt")) + _num_prompts(obj.get("prompt_embeds")) > 1
 
 

@@ -409,7 +409,7 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.local_prefill = several_requests(req.body)
+        req.local_prefill = several_requests(req.body, req.route)
         if not req.local_prefill:
             req.prefill_body = prefill_body(req.body)
         req.decode_raw = req.body.raw

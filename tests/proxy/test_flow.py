@@ -488,6 +488,19 @@ async def test_a_request_vllm_runs_as_one_goes_through_a_prefill(stubs, fields):
     assert "kv_transfer_params" in d.bodies()[0]
 
 
+async def test_a_chat_request_with_a_stray_prompt_list_goes_through_a_prefill(
+    stubs,
+):
+    # Only completions read prompts: a chat request is one conversation.
+    p, d = await stubs(), await stubs()
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"]}
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/chat/completions", {**body, "max_tokens": 4})
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert len(p.requests) == 1
+
+
 async def test_an_n_vllm_refuses_goes_through_a_prefill_for_its_400(stubs):
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
