@@ -196,6 +196,29 @@ def several_requests(req: ClientRequest, route: Route) -> bool:
     return _num_prompts(obj.get("prompt")) + _num_prompts(obj.get("prompt_embeds")) > 1
 
 
+def wants_prompt_logprobs(req: ClientRequest, route: Route) -> bool:
+    """Whether vLLM computes the request's prompt logprobs: then it reads no
+    KV it did not compute itself (``skip_reading_prefix_cache``), and a
+    decode would prefill locally whatever the prefill sent.
+
+    As vLLM reads it: ``prompt_logprobs`` set, or ``echo`` with
+    ``logprobs`` (completions) or with ``top_logprobs``, whose default is 0
+    (chat). A value vLLM refuses counts as unset: its 400 then comes from the
+    prefill.
+    """
+    obj = req.obj
+    try:
+        if _vllm_int(obj.get("prompt_logprobs")) is not None:
+            return True
+        if not _vllm_bool(obj.get("echo")):
+            return False
+        if route is Route.CHAT:
+            return True
+        return _vllm_int(obj.get("logprobs")) is not None
+    except pydantic.ValidationError:
+        return False
+
+
 def _num_prompts(value: Any) -> int:
     """The prompts of a completions ``prompt`` or ``prompt_embeds`` value: a
     list of token ids is one, a list of strings or of token-id lists one

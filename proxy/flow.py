@@ -44,6 +44,7 @@ from proxy.body import (
     several_requests,
     stream_body,
     streams_alike,
+    wants_prompt_logprobs,
 )
 from proxy.errors import error_event, error_response
 from proxy.idle import IdleTimeout
@@ -160,7 +161,8 @@ class _Request:
     decode_raw: bytes = b""
     assemble: bool = False  # a stream decoded for a non-streaming client
     # Every attempt's decode prefills locally (no prefill leg): vLLM runs
-    # the request as several (n > 1, several prompts).
+    # the request as several (n > 1, several prompts), or reads no KV it
+    # did not compute for it (prompt logprobs).
     local_prefill: bool = False
     outcome: str | None = None
     # Failures that count against their ``instance`` only if the request is served.
@@ -185,8 +187,8 @@ class Attempt:
     The legs fill in what they saw; ``record`` turns it into the attempt's
     log line. ``prefill`` is None where the decode prefills locally: the
     decode-only fallback, and every attempt of a request vLLM runs as
-    several (``body.several_requests``). The decode loads KV exactly when
-    ``kv_params`` is set.
+    several or computes prompt logprobs for (``_Request.local_prefill``).
+    The decode loads KV exactly when ``kv_params`` is set.
     """
 
     id: str  # the X-Request-Id both legs get: the request's backend_id + suffix
@@ -409,7 +411,9 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.local_prefill = several_requests(req.body, req.route)
+        req.local_prefill = several_requests(req.body, req.route) or (
+            wants_prompt_logprobs(req.body, req.route)
+        )
         if not req.local_prefill:
             req.prefill_body = prefill_body(req.body)
         req.decode_raw = req.body.raw

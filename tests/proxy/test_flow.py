@@ -488,14 +488,66 @@ async def test_a_request_vllm_runs_as_one_goes_through_a_prefill(stubs, fields):
     assert "kv_transfer_params" in d.bodies()[0]
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# Requests whose prompt logprobs vLLM computes, so that it reads no KV it did
+# not compute itself (skip_reading_prefix_cache).
+PROMPT_LOGPROBS = {
+    "prompt-logprobs": ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}),
+    "prompt-logprobs-0": ("/v1/completions", {**COMPLETION, "prompt_logprobs": 0}),
+    "echo-logprobs": ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 2}),
+    "chat-echo": ("/v1/chat/completions", {**CHAT, "echo": True}),
+}
+# Requests that read the prefill's KV.
+READS_KV = {
+    "echo": ("/v1/completions", {**COMPLETION, "echo": True}),
+    "logprobs": ("/v1/completions", {**COMPLETION, "logprobs": 2}),
+    "prompt-logprobs-null": (
+        "/v1/completions",
+        {**COMPLETION, "prompt_logprobs": None},
+    ),
+    "chat-top-logprobs": (
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), PROMPT_LOGPROBS.values(), ids=PROMPT_LOGPROBS.keys()
+)
+async def test_a_request_for_prompt_logprobs_is_prefilled_on_the_decode(
+    stubs, path, body
+):
+    # Its decode would compute the prompt again whatever the prefill sent.
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(path, body)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert not p.requests
+    assert "kv_transfer_params" not in d.bodies()[0]
+
+
+@pytest.mark.parametrize(("path", "body"), READS_KV.values(), ids=READS_KV.keys())
+async def test_a_request_without_prompt_logprobs_goes_through_a_prefill(
+    stubs, path, body
+):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(path, body)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert len(p.requests) == 1
+    assert "kv_transfer_params" in d.bodies()[0]
+
+
 async def test_a_chat_request_with_a_stray_prompt_list_goes_through_a_prefill(
     stubs,
 ):
     # Only completions read prompts: a chat request is one conversation.
     p, d = await stubs(), await stubs()
-    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"]}
     async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post("/v1/chat/completions", {**body, "max_tokens": 4})
+        resp = await px.post("/v1/chat/completions", {**CHAT, "prompt": ["a", "b"]})
         assert resp.status == 200, await resp.text()
         await resp.read()
     assert len(p.requests) == 1
