@@ -179,6 +179,10 @@ class _Request:
         nothing about its instance."""
         return time.monotonic() >= self.deadline
 
+    def loop_deadline(self) -> float:
+        """``deadline`` in the running loop's ``time()`` (``IdleTimeout``'s)."""
+        return asyncio.get_running_loop().time() + self.remaining()
+
 
 @dataclass(slots=True)
 class Attempt:
@@ -901,9 +905,7 @@ class Flow:
         done = False
         failure: Failure | None = None
         try:
-            now = asyncio.get_running_loop().time()
-            deadline = now + req.deadline - time.monotonic()
-            async with IdleTimeout(idle, deadline) as timer:
+            async with IdleTimeout(idle, req.loop_deadline()) as timer:
                 while failure is None:
                     for data in events:
                         if data.strip() == DONE:
@@ -1049,13 +1051,8 @@ class Flow:
         [DONE] is held back, for an error event must come before it.
         """
         idle = req.config.timeouts.stream_idle_s
-        # The idle timer is moved only every ``slack`` seconds, not per
-        # chunk: a gap of ``idle`` is still caught, at most ``slack`` late.
-        slack = idle / 16
         gap = self.state.metrics.gaps
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        last = armed = now
+        last = time.monotonic()
         # What came last, for markers a read boundary splits.
         tail = held[-_TAIL:]
         aborted = _upstream_aborted(held)
@@ -1063,9 +1060,7 @@ class Flow:
         error: str | None = None
         done = False
         try:
-            async with asyncio.timeout(
-                min(now + idle + slack, req.deadline) - now
-            ) as timer:
+            async with IdleTimeout(idle, req.loop_deadline()) as timer:
                 while True:
                     try:
                         chunk = await content.readany()
@@ -1093,11 +1088,9 @@ class Flow:
                         done = True
                     if not await _write(out, chunk):
                         return None
-                    if now - armed >= slack:
-                        armed = now
-                        timer.reschedule(
-                            loop.time() + min(idle + slack, req.deadline - now)
-                        )
+                    # After the write: a client slow to take it is not the
+                    # decode's idleness.
+                    timer.touch()
         except TimeoutError:
             if req.expired():
                 return _StreamEnd(done, _TOTAL_TIMEOUT_MESSAGE, expired=True)
