@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-from proxy_helpers import expected_text, make_config, read_sse
+from proxy_helpers import StubEngine, expected_text, make_config, read_sse
 
 from proxy.body import PREFILL_KV_PARAMS
 from proxy.protocol import INTEGRITY_MARKER
@@ -459,18 +460,26 @@ ONE = {
 }
 
 
+async def served_1p1d(
+    stubs: Callable[..., Any], path: str, body: dict[str, Any]
+) -> tuple[StubEngine, StubEngine]:
+    """A prefill and a decode stub after the proxy in front of them served
+    ``body`` at ``path`` (200)."""
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(path, body)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    return p, d
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("fields", SEVERAL.values(), ids=SEVERAL.keys())
 async def test_a_request_vllm_runs_as_several_is_prefilled_on_the_decode(
     stubs, stream, fields
 ):
-    p, d = await stubs(), await stubs()
-    async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post(
-            "/v1/completions", {**COMPLETION, **fields, "stream": stream}
-        )
-        assert resp.status == 200, await resp.text()
-        await resp.read()
+    body = {**COMPLETION, **fields, "stream": stream}
+    p, d = await served_1p1d(stubs, "/v1/completions", body)
     assert not p.requests
     (body,) = d.bodies()
     assert "kv_transfer_params" not in body
@@ -479,11 +488,7 @@ async def test_a_request_vllm_runs_as_several_is_prefilled_on_the_decode(
 
 @pytest.mark.parametrize("fields", ONE.values(), ids=ONE.keys())
 async def test_a_request_vllm_runs_as_one_goes_through_a_prefill(stubs, fields):
-    p, d = await stubs(), await stubs()
-    async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post("/v1/completions", {**COMPLETION, **fields})
-        assert resp.status == 200, await resp.text()
-        await resp.read()
+    p, d = await served_1p1d(stubs, "/v1/completions", {**COMPLETION, **fields})
     assert len(p.requests) == 1
     assert "kv_transfer_params" in d.bodies()[0]
 
@@ -519,11 +524,7 @@ async def test_a_request_for_prompt_logprobs_is_prefilled_on_the_decode(
     stubs, path, body
 ):
     # Its decode would compute the prompt again whatever the prefill sent.
-    p, d = await stubs(), await stubs()
-    async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post(path, body)
-        assert resp.status == 200, await resp.text()
-        await resp.read()
+    p, d = await served_1p1d(stubs, path, body)
     assert not p.requests
     assert "kv_transfer_params" not in d.bodies()[0]
 
@@ -532,11 +533,7 @@ async def test_a_request_for_prompt_logprobs_is_prefilled_on_the_decode(
 async def test_a_request_without_prompt_logprobs_goes_through_a_prefill(
     stubs, path, body
 ):
-    p, d = await stubs(), await stubs()
-    async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post(path, body)
-        assert resp.status == 200, await resp.text()
-        await resp.read()
+    p, d = await served_1p1d(stubs, path, body)
     assert len(p.requests) == 1
     assert "kv_transfer_params" in d.bodies()[0]
 
@@ -545,11 +542,8 @@ async def test_a_chat_request_with_a_stray_prompt_list_goes_through_a_prefill(
     stubs,
 ):
     # Only completions read prompts: a chat request is one conversation.
-    p, d = await stubs(), await stubs()
-    async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post("/v1/chat/completions", {**CHAT, "prompt": ["a", "b"]})
-        assert resp.status == 200, await resp.text()
-        await resp.read()
+    body = {**CHAT, "prompt": ["a", "b"]}
+    p, _ = await served_1p1d(stubs, "/v1/chat/completions", body)
     assert len(p.requests) == 1
 
 
