@@ -183,7 +183,10 @@ class EngineServer:
             self._check_output_budget(body.max_tokens, "max_tokens")
             prompt_ids = self._completion_prompt(body.prompt)
             max_tokens = self._max_tokens(
-                len(prompt_ids), body.max_tokens, from_text=isinstance(body.prompt, str)
+                len(prompt_ids),
+                body.max_tokens,
+                body.min_tokens,
+                from_text=isinstance(body.prompt, str),
             )
         except RequestError as e:
             return error_response(e)
@@ -222,7 +225,9 @@ class EngineServer:
             except ChatTemplateError as e:
                 raise RequestError(str(e), param="messages") from None
             prompt_ids = encode(prompt)
-            max_tokens = self._max_tokens(len(prompt_ids), requested, from_text=True)
+            max_tokens = self._max_tokens(
+                len(prompt_ids), requested, body.min_tokens, from_text=True
+            )
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
@@ -422,9 +427,15 @@ class EngineServer:
             )
 
     def _max_tokens(
-        self, num_prompt_tokens: int, requested: int | None, *, from_text: bool
+        self,
+        num_prompt_tokens: int,
+        requested: int | None,
+        min_tokens: int,
+        *,
+        from_text: bool,
     ) -> int:
-        """The request's output budget, as vLLM's ``get_max_tokens`` clamps it.
+        """The request's output budget, as vLLM's ``get_max_tokens`` clamps it
+        and ``SamplingParams`` checks it against ``min_tokens``.
 
         ``from_text``: the prompt was text, which vLLM tokenizes to at most
         max_model_len + 1 tokens (so it counts "at least" that many).
@@ -456,6 +467,12 @@ class EngineServer:
                 f"max_tokens must be at least 1, got {value}.",
                 param="max_tokens",
                 value=value,
+            )
+        if min_tokens > value:
+            # SamplingParams._verify_args names no parameter here.
+            raise vllm_validation_error(
+                f"min_tokens must be less than or equal to max_tokens={value}, "
+                f"got {min_tokens}."
             )
         return value
 

@@ -25,6 +25,20 @@ _TOO_DEEP = "Request body is nested too deeply"
 # field also takes "true", "yes", "on", "1", 1, 1.0 and their false twins.
 _vllm_bool = pydantic.TypeAdapter(bool | None).validate_python
 _vllm_int = pydantic.TypeAdapter(int | None).validate_python
+_vllm_count = pydantic.TypeAdapter(int).validate_python
+
+
+class _StreamOptions(pydantic.BaseModel):
+    """vLLM's ``StreamOptions``, read only to refuse what vLLM refuses."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+_vllm_stream_options = pydantic.TypeAdapter(_StreamOptions | None).validate_python
+# vLLM's CompletionRequest.max_tokens when absent or null.
+_COMPLETIONS_MAX_TOKENS = 16
 
 # What the proxy asks of the prefill (docs/wire.md, "Proxy → prefill").
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -162,6 +176,99 @@ def prefill_body(req: ClientRequest) -> bytes:
         obj.pop(name, None)
     obj[KV_PARAMS] = PREFILL_KV_PARAMS
     return _encode(obj)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBudget:
+    """The output tokens a request asks for, as vLLM reads them."""
+
+    param: str
+    """The field vLLM names when it refuses the budget."""
+    tokens: int | None
+    """None: up to the model's context length."""
+
+
+def check_decode_fields(req: ClientRequest, route: Route) -> OutputBudget:
+    """Refuses, as vLLM does, the fields only the decode leg reads, and
+    returns the request's output budget.
+
+    The prefill leg asks for one token and no stream (:func:`prefill_body`),
+    so vLLM would refuse a bad ``max_tokens``, ``min_tokens`` or
+    ``stream_options`` only on the decode, after the prefill ran and left KV
+    that nobody pulls (docs/wire.md, "Fields only the decode reads").
+    Checks that depend on the prompt's length are left to the decode.
+
+    Raises:
+        BadRequest: a value vLLM refuses whatever the prompt.
+    """
+    obj = req.obj
+    options = obj.get("stream_options")
+    # vLLM checks the raw values before parsing them.
+    if options and not obj.get("stream"):
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`.",
+            "stream_options",
+        )
+    try:
+        _vllm_stream_options(options)
+    except pydantic.ValidationError:
+        raise BadRequest(
+            "'stream_options' must be an object of booleans", "stream_options"
+        ) from None
+    max_tokens = _count(obj, "max_tokens")
+    if route is Route.CHAT:
+        completion_tokens = _count(obj, "max_completion_tokens")
+        if completion_tokens is not None:
+            budget = OutputBudget("max_completion_tokens", completion_tokens)
+        else:
+            budget = OutputBudget("max_tokens", max_tokens)
+    else:
+        tokens = _COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
+        budget = OutputBudget("max_tokens", tokens)
+    min_tokens = _count(obj, "min_tokens", default=0)
+    assert min_tokens is not None
+    sampled = budget.tokens
+    if sampled == 0 and route is Route.COMPLETIONS and _echo(obj):
+        sampled = 1  # vLLM echoes the prompt and samples one token
+    if sampled is not None and sampled < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {sampled}.", "max_tokens")
+    if min_tokens < 0:
+        raise BadRequest(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+            "min_tokens",
+        )
+    if sampled is not None and min_tokens > sampled:
+        raise BadRequest(
+            "min_tokens must be less than or equal to "
+            f"max_tokens={sampled}, got {min_tokens}.",
+            "min_tokens",
+        )
+    return budget
+
+
+def _count(obj: dict[str, Any], name: str, default: int | None = None) -> int | None:
+    """``obj[name]`` as vLLM reads an integer field: ``int | None`` when
+    ``default`` is None, else ``int`` with that default when absent.
+
+    Raises:
+        BadRequest: a value vLLM refuses too.
+    """
+    if name not in obj:
+        return default
+    value = obj[name]
+    try:
+        return _vllm_int(value) if default is None else _vllm_count(value)
+    except pydantic.ValidationError:
+        raise BadRequest(f"'{name}' must be an integer", name) from None
+
+
+def _echo(obj: dict[str, Any]) -> bool:
+    """``echo`` as vLLM reads it; a value vLLM refuses counts as False (the
+    prefill, which gets it too, answers that 400)."""
+    try:
+        return bool(_vllm_bool(obj.get("echo")))
+    except pydantic.ValidationError:
+        return False
 
 
 def streams_alike(req: ClientRequest) -> bool:

@@ -35,6 +35,7 @@ from proxy.body import (
     BadRequest,
     ClientRequest,
     Route,
+    check_decode_fields,
     decode_body,
     kv_params_of,
     parse_request,
@@ -406,10 +407,12 @@ class Flow:
         """Builds what every attempt sends: the prefill body, the routing key.
 
         Raises:
-            BadRequest: the body cannot be re-encoded (nested too deeply).
+            BadRequest: a field only the decode reads has a value vLLM
+                refuses, or the body cannot be re-encoded (nested too deeply).
         """
         cfg = req.config
         pools = req.pools
+        check_decode_fields(req.body, req.route)
         if (
             pools.prefill.policy == "prefix_hash"
             or pools.decode.policy == "prefix_hash"

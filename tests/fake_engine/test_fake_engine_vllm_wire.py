@@ -108,6 +108,12 @@ async def test_output_budget_up_to_max_model_len_is_clamped_to_the_room_left(
             id="negative-min-tokens",
         ),
         pytest.param(
+            {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
+            None,
+            "min_tokens must be less than or equal to max_tokens=2, got 3.",
+            id="min-tokens-above-max-tokens",
+        ),
+        pytest.param(
             {"prompt": [1, 300]},
             "prompt",
             "Token id 300 is out of vocabulary (parameter=prompt)",

@@ -411,6 +411,31 @@ async def test_decode_4xx_goes_back_unchanged_and_frees_the_prefill_kv(stubs):
     assert p.held == set()
 
 
+# Values vLLM refuses whatever the prompt, in fields the prefill leg does
+# not carry: a decode would refuse them after the prefill had run.
+REFUSED_BY_THE_DECODE = {
+    "stream-options-without-stream": {"stream_options": {"include_usage": True}},
+    "no-output": {"max_tokens": 0},
+    "min-above-max": {"max_tokens": 2, "min_tokens": 3},
+    "max-tokens-not-a-number": {"max_tokens": "six"},
+}
+
+
+@pytest.mark.parametrize(
+    "fields", REFUSED_BY_THE_DECODE.values(), ids=REFUSED_BY_THE_DECODE.keys()
+)
+async def test_a_request_its_decode_would_refuse_is_refused_before_its_prefill(
+    stubs, fields
+):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, **fields})
+        error = (await resp.json())["error"]
+    assert resp.status == 400 and error["code"] == 400
+    assert error["param"] in fields
+    assert not p.requests and not d.requests
+
+
 async def test_exhausted_retries_fail_with_503_saying_why(stubs):
     p, d = await stubs("corrupt"), await stubs()
     config = make_config(

@@ -17,7 +17,9 @@ from proxy_helpers import make_config
 from proxy.assemble import Assembler
 from proxy.body import (
     BadRequest,
+    OutputBudget,
     Route,
+    check_decode_fields,
     decode_body,
     kv_params_of,
     parse_request,
@@ -498,6 +500,126 @@ def test_prefill_body_caps_tokens_only_where_the_client_had_them():
     assert body["max_tokens"] == 1 and "max_completion_tokens" not in body
     assert "min_tokens" not in body
     assert req.obj["min_tokens"] == 5  # the decode still gets it
+
+
+CHAT_MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "message"),
+    [
+        (
+            Route.COMPLETIONS,
+            {"stream_options": {"include_usage": False}},
+            "stream_options",
+            None,
+        ),
+        (
+            Route.CHAT,
+            {"stream_options": {"include_usage": True}, "stream": False},
+            "stream_options",
+            "only be defined when `stream=True`",
+        ),
+        (
+            Route.COMPLETIONS,
+            {"stream": True, "stream_options": {"include_usage": "often"}},
+            "stream_options",
+            "object of booleans",
+        ),
+        (Route.COMPLETIONS, {"max_tokens": "many"}, "max_tokens", "an integer"),
+        (Route.COMPLETIONS, {"max_tokens": 1.5}, "max_tokens", "an integer"),
+        (Route.COMPLETIONS, {"max_tokens": 0}, "max_tokens", "at least 1, got 0"),
+        (Route.COMPLETIONS, {"max_tokens": -3}, "max_tokens", "at least 1, got -3"),
+        (Route.CHAT, {"max_completion_tokens": 0}, "max_tokens", "got 0"),
+        # vLLM reads max_tokens on chat even when max_completion_tokens wins.
+        (
+            Route.CHAT,
+            {"max_completion_tokens": 5, "max_tokens": "x"},
+            "max_tokens",
+            "an integer",
+        ),
+        (Route.COMPLETIONS, {"min_tokens": None}, "min_tokens", "an integer"),
+        (Route.COMPLETIONS, {"min_tokens": -1}, "min_tokens", "got -1"),
+        (
+            Route.COMPLETIONS,
+            {"max_tokens": 4, "min_tokens": 5},
+            "min_tokens",
+            "less than or equal to max_tokens=4, got 5",
+        ),
+        # Completions default to 16 tokens, absent or null.
+        (
+            Route.COMPLETIONS,
+            {"max_tokens": None, "min_tokens": 17},
+            "min_tokens",
+            "=16",
+        ),
+        (
+            Route.COMPLETIONS,
+            {"echo": True, "max_tokens": 0, "min_tokens": 2},
+            "min_tokens",
+            "max_tokens=1, got 2",
+        ),
+    ],
+)
+def test_fields_only_the_decode_reads_are_refused_as_vllm_refuses_them(
+    route, fields, param, message
+):
+    base = {"prompt": "x"} if route is Route.COMPLETIONS else CHAT_MESSAGES
+    req = parse_request(msgspec.json.encode({**base, **fields}), route)
+    with pytest.raises(BadRequest) as caught:
+        check_decode_fields(req, route)
+    assert caught.value.param == param
+    assert message is None or message in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "budget"),
+    [
+        (Route.COMPLETIONS, {}, OutputBudget("max_tokens", 16)),
+        (Route.COMPLETIONS, {"max_tokens": "7"}, OutputBudget("max_tokens", 7)),
+        (Route.COMPLETIONS, {"max_tokens": 2.0}, OutputBudget("max_tokens", 2)),
+        # Echo without generation: vLLM echoes the prompt, samples one token.
+        (
+            Route.COMPLETIONS,
+            {"echo": True, "max_tokens": 0},
+            OutputBudget("max_tokens", 0),
+        ),
+        (Route.CHAT, {}, OutputBudget("max_tokens", None)),
+        (Route.CHAT, {"max_tokens": 9}, OutputBudget("max_tokens", 9)),
+        (
+            Route.CHAT,
+            {"max_tokens": 9, "max_completion_tokens": 3},
+            OutputBudget("max_completion_tokens", 3),
+        ),
+        (
+            Route.COMPLETIONS,
+            {"stream": True, "stream_options": {"include_usage": 1, "x": 2}},
+            OutputBudget("max_tokens", 16),
+        ),
+        # vLLM compares raw values: a truthy stream string lets options by.
+        (
+            Route.COMPLETIONS,
+            {"stream": "false", "stream_options": {"include_usage": True}},
+            OutputBudget("max_tokens", 16),
+        ),
+        # An empty object is falsy: vLLM's raw check lets it by.
+        (Route.COMPLETIONS, {"stream_options": {}}, OutputBudget("max_tokens", 16)),
+        (
+            Route.COMPLETIONS,
+            {"stream_options": None, "min_tokens": "3"},
+            OutputBudget("max_tokens", 16),
+        ),
+        (
+            Route.COMPLETIONS,
+            {"echo": True, "max_tokens": 0, "min_tokens": 1},
+            OutputBudget("max_tokens", 0),
+        ),
+    ],
+)
+def test_fields_vllm_accepts_pass_and_give_the_output_budget(route, fields, budget):
+    base = {"prompt": "x"} if route is Route.COMPLETIONS else CHAT_MESSAGES
+    req = parse_request(msgspec.json.encode({**base, **fields}), route)
+    assert check_decode_fields(req, route) == budget
 
 
 def test_prefix_key_reads_the_prompt_or_messages():
