@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,13 +22,12 @@ from proxy.config import ANY_MODEL, ProxyConfig
 from proxy.errors import error_response
 from proxy.flow import Flow
 from proxy.instances import Instance
+from proxy.served import served_models
 from proxy.server import json_errors, json_route
 from proxy.state import STATE, ProxyState
 from proxy.status import status_page
-from proxy.upstream import ReplyTooLarge, read_capped
 
 _encode_json = msgspec.json.Encoder().encode
-_decode_json = msgspec.json.Decoder().decode
 
 
 async def _liveness(request: web.Request) -> web.Response:
@@ -84,27 +82,13 @@ async def _models(request: web.Request) -> web.Response:
             by_url.setdefault(inst.url, inst)
 
     async def fetch(inst: Instance) -> list[dict[str, Any]]:
-        try:
-            async with state.session.get(
-                inst.url + "/v1/models",
-                headers=inst.headers,
-                timeout=aiohttp.ClientTimeout(total=state.config.health.timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    return []
-                data = _decode_json(
-                    await read_capped(resp, state.config.limits.max_reply_bytes)
-                )
-                entries = data.get("data") if isinstance(data, dict) else None
-                return [e for e in entries or [] if isinstance(e, dict) and "id" in e]
-        except (
-            TimeoutError,
-            aiohttp.ClientError,
-            msgspec.DecodeError,
-            RecursionError,
-            ReplyTooLarge,
-        ):
-            return []
+        entries = await served_models(
+            state.session,
+            inst,
+            state.config.health.timeout_s,
+            state.config.limits.max_reply_bytes,
+        )
+        return entries or []
 
     union: dict[str, dict[str, Any]] = {}
     for entries in await asyncio.gather(*(fetch(i) for i in by_url.values())):

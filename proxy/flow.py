@@ -49,7 +49,7 @@ from proxy.body import (
 )
 from proxy.errors import error_event, error_response
 from proxy.idle import IdleTimeout
-from proxy.instances import Instance, ModelPools
+from proxy.instances import Instance, ModelPools, max_model_len
 from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
 from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
 from proxy.upstream import ReplyTooLarge, read_capped
@@ -412,7 +412,16 @@ class Flow:
         """
         cfg = req.config
         pools = req.pools
-        check_decode_fields(req.body, req.route)
+        budget = check_decode_fields(req.body, req.route)
+        if budget.tokens is not None:
+            limit = max_model_len(pools.decode, req.body.model)
+            if limit is not None and budget.tokens > limit:
+                # vLLM's own words (TokenizeParams), as its decode would answer.
+                raise BadRequest(
+                    f"{budget.param}={budget.tokens} cannot be greater than "
+                    f"max_model_len={limit}. Please request fewer output tokens.",
+                    budget.param,
+                )
         if (
             pools.prefill.policy == "prefix_hash"
             or pools.decode.policy == "prefix_hash"

@@ -11,6 +11,8 @@ instance ejected for integrity failures returns only after its cooldown
 An instance is probed before it takes traffic: at startup, before the proxy
 listens; added to a serving proxy (admin API, reload), before it joins. It
 takes traffic only once a probe passes, as a new DNS address does.
+After each passing probe of a decode its ``/v1/models`` is read too, for
+the context length the flow checks output budgets against.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from yarl import URL
 
 from proxy.config import HealthConfig
 from proxy.instances import Instance
+from proxy.served import context_lens, served_models
 from proxy.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
@@ -126,6 +129,8 @@ class Health:
         self._probed(inst, ok, started, cfg)
         if ok and inst.failed_at < started:
             inst.healthy = True
+        if ok:
+            await self.read_context_lens([inst], cfg)
         return ok
 
     async def first_probe(
@@ -157,8 +162,31 @@ class Health:
             ok = await self.probe(instances[0].url, instances[0].headers)
             for inst in instances:
                 self._probed(inst, ok, started)
+            if ok:
+                await self.read_context_lens(instances)
 
         await asyncio.gather(*(check(instances) for instances in by_url.values()))
+
+    async def read_context_lens(
+        self, instances: list[Instance], cfg: HealthConfig | None = None
+    ) -> None:
+        """Sets the context lengths of the decodes among ``instances`` (one
+        URL) from its ``/v1/models``, read once; unknown (empty) when it
+        does not say. A prefill's is never read: the prefill leg asks for
+        one token."""
+        decodes = [i for i in instances if i.role == "decode"]
+        if not decodes:
+            return
+        cfg = cfg or self.state.config.health
+        entries = await served_models(
+            self.state.session,
+            decodes[0],
+            cfg.timeout_s,
+            self.state.config.limits.max_reply_bytes,
+        )
+        lens = context_lens(entries)
+        for inst in decodes:
+            inst.context_lens = lens
 
     async def run(self, *, probed: bool = False) -> None:
         """Probes forever at the configured interval (cancel to stop); the

@@ -26,6 +26,7 @@ class Instance:
         "api_key",
         "consecutive_failures",
         "consecutive_successes",
+        "context_lens",
         "discovered_by",
         "drained",
         "ejected_until",
@@ -77,6 +78,9 @@ class Instance:
         self.rr_current = 0.0
         # The ``dns:`` entry (host:port) that found this instance; None if configured.
         self.discovered_by: str | None = None
+        # Served model id -> max_model_len, from its /v1/models (decodes only,
+        # by the health checks); empty while unknown.
+        self.context_lens: dict[str, int] = {}
 
     def set_api_key(self, api_key: str | None) -> None:
         self.api_key = api_key
@@ -98,6 +102,15 @@ class Instance:
         """Healthy, in service and not drained (ejection aside)."""
         return self.healthy and not self.drained and not self.removed
 
+    def max_model_len(self, model: str | None) -> int | None:
+        """The context length this instance serves ``model`` with (None: its
+        default), or None when its /v1/models did not say."""
+        lens = self.context_lens
+        if model is not None:
+            return lens.get(model)
+        values = set(lens.values())
+        return values.pop() if len(values) == 1 else None
+
     def load(self) -> float:
         return self.in_flight / self.weight
 
@@ -117,6 +130,7 @@ class Instance:
             "ejections": self.ejections,
             "in_flight": self.in_flight,
             "discovered_by": self.discovered_by,
+            "max_model_len": dict(self.context_lens),
         }
 
     def __repr__(self) -> str:
@@ -130,6 +144,20 @@ class Pool:
     role: Role
     policy: str
     instances: list[Instance] = field(default_factory=list)
+
+
+def max_model_len(pool: Pool, model: str | None) -> int | None:
+    """The largest context length a usable instance of ``pool`` serves
+    ``model`` with; None unless every usable one has said."""
+    limit: int | None = None
+    for inst in pool.instances:
+        if not inst.usable():
+            continue
+        value = inst.max_model_len(model)
+        if value is None:
+            return None
+        limit = value if limit is None else max(limit, value)
+    return limit
 
 
 @dataclass(slots=True)

@@ -88,6 +88,9 @@ class StubEngine:
     poison_leg: str = "any"
     # A Set-Cookie header on every reply (as a gateway's sticky session does).
     set_cookie: str | None = None
+    # The entries of its /v1/models (vLLM's give max_model_len); by default
+    # one without, named after the port.
+    served: list[dict[str, Any]] | None = None
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -310,9 +313,10 @@ class StubEngine:
         return web.json_response({}, status=503 if self.mode == "unhealthy" else 200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": f"m{self.port % 2}"}]}
-        )
+        served = self.served
+        if served is None:
+            served = [{"id": f"m{self.port % 2}"}]
+        return web.json_response({"object": "list", "data": served})
 
     async def _add_cookie(
         self, request: web.Request, response: web.StreamResponse

@@ -387,6 +387,16 @@ async def test_bad_requests_and_keys_are_refused_before_any_engine_work(monkeypa
                 {"Authorization": "Bearer bad"},
                 401,
             ),
+            # Refused by the decode alone: the proxy refuses them before the
+            # prefill, past the decode's max_model_len read from /v1/models.
+            (msgspec.json.encode({"prompt": "hi", "max_tokens": 10**6}), ok, 400),
+            (
+                msgspec.json.encode(
+                    {"prompt": "hi", "stream_options": {"include_usage": True}}
+                ),
+                ok,
+                400,
+            ),
         ]
         for data, headers, status in cases:
             resp = await px.post("/v1/completions", data, headers=headers)

@@ -436,6 +436,63 @@ async def test_a_request_its_decode_would_refuse_is_refused_before_its_prefill(
     assert not p.requests and not d.requests
 
 
+def context(length: int) -> list[dict[str, Any]]:
+    """A vLLM /v1/models listing of model "m" served with this context length."""
+    return [{"id": "m", "object": "model", "max_model_len": length}]
+
+
+async def test_a_budget_past_every_decodes_context_is_refused_before_its_prefill(
+    stubs,
+):
+    p = await stubs()
+    short, long = await stubs(served=context(64)), await stubs(served=context(128))
+    async with running_proxy(make_config([p.url], [short.url, long.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "max_tokens": 129})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "max_tokens"
+        assert error["message"] == (
+            "max_tokens=129 cannot be greater than max_model_len=128. "
+            "Please request fewer output tokens."
+        )
+        assert not p.requests
+        chat = {**CHAT, "model": "m", "max_completion_tokens": 200}
+        resp = await px.post("/v1/chat/completions", chat)
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "max_completion_tokens"
+        assert not p.requests
+        resp = await px.post("/v1/completions", {**COMPLETION, "max_tokens": 128})
+        assert resp.status == 200
+        await resp.read()
+    assert len(p.requests) == 1
+
+
+async def test_a_decode_that_does_not_say_its_context_length_leaves_the_budget_to_it(
+    stubs,
+):
+    p, says, silent = await stubs(), await stubs(served=context(64)), await stubs()
+    async with running_proxy(make_config([p.url], [says.url, silent.url])) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "max_tokens": 1000})
+        assert resp.status == 200
+        await resp.read()
+    assert len(p.requests) == 1
+
+
+async def test_a_decodes_context_length_is_read_again_by_each_health_check(stubs):
+    p, d = await stubs(), await stubs(served=context(64))
+    config = make_config([p.url], [d.url], health={"interval_s": 0.05})
+    async with running_proxy(config) as px:
+        body = {**COMPLETION, "max_tokens": 100}
+        assert (await px.post("/v1/completions", body)).status == 400
+        d.served = context(256)  # restarted with a longer context
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            resp = await px.post("/v1/completions", body)
+            await resp.read()
+            if resp.status == 200:
+                break
+        assert resp.status == 200
+
+
 async def test_exhausted_retries_fail_with_503_saying_why(stubs):
     p, d = await stubs("corrupt"), await stubs()
     config = make_config(

@@ -335,6 +335,53 @@ async def test_requests_that_would_not_use_a_prefill_are_prefilled_on_the_decode
     assert change.retries == 0
 
 
+# Fields only the decode leg reads (the prefill leg asks for one token and no
+# stream), with values vLLM takes and values it refuses whatever the prompt;
+# the servers' max_model_len is 512.
+DECODE_FIELDS: dict[str, dict[str, Any]] = {
+    "stream-options-without-stream": {"stream_options": {"include_usage": True}},
+    "empty-stream-options": {"stream_options": {}},
+    "stream-options-and-a-stream-string": {
+        "stream": "false",
+        "stream_options": {"include_usage": True},
+    },
+    "stream-options-not-an-object": {"stream": True, "stream_options": "yes"},
+    "no-output": {"max_tokens": 0},
+    "echo-without-generation": {"echo": True, "max_tokens": 0},
+    "max-tokens-as-text": {"max_tokens": "3"},
+    "max-tokens-not-a-number": {"max_tokens": "three"},
+    "min-tokens-null": {"min_tokens": None},
+    "min-tokens-above-max-tokens": {"max_tokens": 2, "min_tokens": 3},
+    "min-tokens-above-the-default": {"min_tokens": 17},
+    "min-tokens-equal-max-tokens": {"max_tokens": 3, "min_tokens": 3},
+    "past-the-context": {"max_tokens": 513},
+    "up-to-the-context": {"max_tokens": 512, "stop": ["."]},
+}
+
+
+async def test_the_proxy_refuses_before_the_prefill_what_the_decode_refuses(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    # vLLM would refuse these on the decode only, after the prefill ran and
+    # left KV held until its lease ends (docs/wire.md).
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    differ = {}
+    for name, fields in DECODE_FIELDS.items():
+        body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "temperature": 0}
+        body.update(fields)
+        url = f"{consumer_url(servers, mode)}/v1/completions"
+        vllm_status, vllm_answer = await post(http, url, body, f"{name}-direct")
+        async with Changes(http, servers, mode) as change:
+            url = f"{proxy_url(servers, mode)}/v1/completions"
+            status, answer = await post(http, url, body, f"{name}-{mode}")
+        prefilled = change.producer.get("kvguard_kv_checksum_sent_total", 0)
+        if status != vllm_status:
+            differ[name] = f"vLLM {vllm_status} {vllm_answer}, proxy {status} {answer}"
+        elif status == 400 and prefilled:
+            differ[name] = "refused by the decode after a prefill"
+    assert not differ, "\n".join(f"{name}: {why}" for name, why in differ.items())
+
+
 async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
     http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
