@@ -123,6 +123,8 @@ class _GenerateRequest(_OpenAIModel):
     stop: str | list[str] | None = []
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Tokens a streamed chunk batches (vLLM's per-request stream_interval).
+    stream_interval: int | None = Field(None, ge=1)
     n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None

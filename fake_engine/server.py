@@ -85,6 +85,19 @@ def _shows_nothing(out: RequestOutput, num_output: int, *, echoes: bool) -> bool
     return not out.text and num_output == 0 and not echoes
 
 
+def _joined(held: RequestOutput, out: RequestOutput) -> RequestOutput:
+    """``out`` with the tokens and text of ``held``, an output not yet sent,
+    before its own."""
+    return RequestOutput(
+        held.token_ids + out.token_ids,
+        held.text + out.text,
+        out.finish_reason,
+        out.stop_reason,
+        out.error,
+        out.kv_transfer_params,
+    )
+
+
 def _fingerprint(config: EngineConfig) -> str:
     """The engine's ``system_fingerprint``: it changes with what vLLM's config
     hash covers (the model, its shape and cache), not with faults or ids."""
@@ -202,7 +215,9 @@ class EngineServer:
         builder = self._builder(
             body, response_id, prompt_ids, echo=decode(prompt_ids) if body.echo else ""
         )
-        return await self._respond(request, engine_request, builder, bool(body.stream))
+        return await self._respond(
+            request, engine_request, builder, bool(body.stream), body.stream_interval
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -240,7 +255,9 @@ class EngineServer:
             aliases=(base, response_id),
         )
         builder = self._builder(body, response_id, prompt_ids)
-        return await self._respond(request, engine_request, builder, bool(body.stream))
+        return await self._respond(
+            request, engine_request, builder, bool(body.stream), body.stream_interval
+        )
 
     @property
     def model_name(self) -> str:
@@ -539,10 +556,14 @@ class EngineServer:
         engine_request: EngineRequest,
         builder: ResponseBuilder,
         stream: bool,
+        stream_interval: int | None = None,
     ) -> web.StreamResponse:
-        """Run the request on the engine and answer it, whole or streamed."""
+        """Run the request on the engine and answer it, whole or streamed
+        (``stream_interval`` tokens a chunk, as vLLM batches them)."""
         if stream:
-            return await self._stream_response(request, engine_request, builder)
+            return await self._stream_response(
+                request, engine_request, builder, stream_interval or 1
+            )
         return await self._full_response(engine_request, builder)
 
     async def _full_response(
@@ -585,7 +606,11 @@ class EngineServer:
         request: web.Request,
         engine_request: EngineRequest,
         builder: ResponseBuilder,
+        interval: int,
     ) -> web.StreamResponse:
+        """The request's SSE stream. With ``interval`` > 1 its outputs are
+        held until that many tokens are pending, as vLLM's output processor
+        holds them: the first and the last are sent at once."""
         if (error := self._submit(engine_request)) is not None:
             return error_response(error)
         response = web.StreamResponse(
@@ -595,6 +620,7 @@ class EngineServer:
             await response.prepare(request)
             first = True
             num_output = 0
+            held: RequestOutput | None = None
             role_chunk = builder.role_chunk()
             while True:
                 out = await engine_request.outputs.get()
@@ -607,6 +633,17 @@ class EngineServer:
                     body = error_body(message, "InternalServerError", status)
                     await response.write(_sse(body))
                     break
+                if held is not None:
+                    out = _joined(held, out)
+                    held = None
+                if (
+                    interval > 1
+                    and not out.finished
+                    and num_output > 0
+                    and len(out.token_ids) < interval
+                ):
+                    held = out
+                    continue
                 num_output += len(out.token_ids)
                 if not _shows_nothing(
                     out, num_output, echoes=first and bool(builder.echo)

@@ -22,6 +22,7 @@ from fake_engine_helpers import (
     post,
     post_bytes,
     stream,
+    text_of,
 )
 
 from fake_engine.testing import EngineSpec, fake_engines
@@ -276,3 +277,19 @@ async def test_chat_continuous_usage_names_completion_tokens_details(
     request = completion_body(max_tokens=2, stream=True, stream_options=options)
     _, events = await stream(session, url + COMPLETIONS, request)
     assert all("completion_tokens_details" not in e["usage"] for e in events[:-1])
+
+
+# vllm/v1/engine/output_processor.py RequestState.make_request_output: with a
+# request's stream_interval of n, the first output goes at once, then one
+# every n tokens, and the last one when the request finishes.
+async def test_stream_interval_batches_tokens_into_chunks_as_vllm_does(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    request = completion_body(
+        max_tokens=10, stream=True, stream_interval=4, return_token_ids=True
+    )
+    _, events = await stream(session, url + COMPLETIONS, request)
+    chunks = events[:-1]
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
+    _, whole = await post(session, url + COMPLETIONS, completion_body(max_tokens=10))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(whole)
