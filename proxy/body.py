@@ -335,8 +335,10 @@ def _num_prompts(value: Any) -> int:
     return 0 if value is None else 1
 
 
-def stream_body(req: ClientRequest) -> bytes:
-    """A non-streaming request's body, asking for a stream with its usage.
+def stream_body(req: ClientRequest, interval: int = 1) -> bytes:
+    """A non-streaming request's body, asking for a stream with its usage,
+    ``interval`` tokens a chunk after the first (vLLM's ``stream_interval``,
+    not sent when 1).
 
     Raises:
         BadRequest: the body is nested too deeply to encode.
@@ -344,6 +346,8 @@ def stream_body(req: ClientRequest) -> bytes:
     obj = dict(req.obj)
     obj["stream"] = True
     obj["stream_options"] = {"include_usage": True}
+    if interval > 1:
+        obj["stream_interval"] = interval
     return _encode(obj)
 
 

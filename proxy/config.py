@@ -207,6 +207,16 @@ class RetryConfig(_Strict):
         "one reply, so that decode_first_token_s and stream_idle_s bound a hung "
         "KV load and it is retried; false: one reply bounded only by total_s",
     )
+    non_stream_interval: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Tokens per chunk of a non-streaming request's decode "
+        "stream after its first, which comes at once (vLLM's per-request "
+        "stream_interval): fewer chunks for the decode to send and the proxy "
+        "to read. Keep the time that many tokens take well below "
+        "timeouts.stream_idle_s; 1 sends no stream_interval (backends without it)",
+    )
     on_exhausted: Literal["fail", "decode_only"] = Field(
         default="fail",
         description="fail: 503 with the reason; decode_only: send the original "

@@ -439,7 +439,7 @@ class Flow:
             and streams_alike(req.body)
         ):
             req.assemble = True
-            req.decode_raw = stream_body(req.body)
+            req.decode_raw = stream_body(req.body, cfg.retry.non_stream_interval)
 
     # -------------------------------------------------------------- attempts
 

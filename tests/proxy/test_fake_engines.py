@@ -478,7 +478,9 @@ async def test_assembled_non_stream_reply_matches_the_engines_own():
     ):
         for route in ("/v1/completions", "/v1/chat/completions"):
             payload = {
-                **body(route, PROMPTS[4], False, 12),
+                # 40 tokens: the decode's chunks of 16 (non_stream_interval)
+                # after the first, joined.
+                **body(route, PROMPTS[4], False, 40),
                 "return_token_ids": True,
                 "stop": ["zz"],
             }
@@ -487,6 +489,7 @@ async def test_assembled_non_stream_reply_matches_the_engines_own():
             async with s.post(px.url + route, json=payload) as resp:
                 assert resp.status == 200
                 got = await resp.json()
+            assert want["usage"]["completion_tokens"] > 17  # three chunks or more
             assert got["object"] == want["object"]
             assert got["model"] == want["model"]
             assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]

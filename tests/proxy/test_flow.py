@@ -717,10 +717,10 @@ async def test_client_disconnect_before_first_token_frees_the_prefill_kv(stubs):
     assert [[d.requests[0][1]["X-Request-Id"]]] == d.aborts
 
 
-async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
+async def test_non_stream_request_is_decoded_as_a_stream_of_16_token_chunks(stubs):
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
-        resp = await px.post("/v1/completions", COMPLETION)
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream_interval": 2})
         reply = await resp.json()
     assert resp.headers["Content-Type"].startswith("application/json")
     assert reply["choices"][0]["text"] == expected_text("hello world", 6)
@@ -730,7 +730,20 @@ async def test_non_stream_request_is_decoded_as_a_stream_with_its_usage(stubs):
         **COMPLETION,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "stream_interval": 16,
     }
+
+
+async def test_a_non_stream_interval_of_1_asks_the_decode_for_no_stream_interval(
+    stubs,
+):
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], retry={"non_stream_interval": 1})
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+    (sent,) = d.bodies()
+    assert "stream_interval" not in sent and sent["stream"] is True
 
 
 async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs):

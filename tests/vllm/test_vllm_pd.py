@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 from dataclasses import replace
 from typing import Any
@@ -380,6 +381,42 @@ async def test_the_proxy_refuses_before_the_prefill_what_the_decode_refuses(
         elif status == 400 and prefilled:
             differ[name] = "refused by the decode after a prefill"
     assert not differ, "\n".join(f"{name}: {why}" for name, why in differ.items())
+
+
+async def test_a_non_stream_answer_assembled_from_batched_chunks_is_a_single_instances(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    # The proxy asks the decode of a non-streaming request for chunks of 16
+    # tokens after the first (stream_interval), and joins them.
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[1],
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_interval": 4,
+        "return_token_ids": True,
+    }
+    url = f"{consumer_url(servers, mode)}/v1/completions"
+    async with http.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        raw = (await response.read()).decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    # As the fake engine batches them: the first at once, the last at the end.
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
+    del body["stream"], body["stream_interval"], body["return_token_ids"]
+    body["max_tokens"] = 40
+    status, want = await post(
+        http, f"{servers.engine('producer').url}/v1/completions", body
+    )
+    assert status == 200, want
+    status, got = await post(http, f"{proxy_url(servers, mode)}/v1/completions", body)
+    assert status == 200, got
+    assert text_of(got) == text_of(want)
+    assert got["usage"]["completion_tokens"] == 40
 
 
 async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
