@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from proxy_helpers import StubEngine, expected_text, make_config, read_sse
+from proxy_helpers import StubEngine, admin, expected_text, make_config, read_sse
 
 from proxy.body import PREFILL_KV_PARAMS
 from proxy.protocol import INTEGRITY_MARKER
@@ -464,6 +464,18 @@ async def test_a_budget_past_every_decodes_context_is_refused_before_its_prefill
         assert resp.status == 200
         await resp.read()
     assert len(p.requests) == 1
+
+
+async def test_the_admin_api_shows_each_decodes_context_length(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    p, d = await stubs(served=context(64)), await stubs(served=context(64))
+    config = make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with running_proxy(config) as px:
+        status, body = await admin(px, "GET", "/admin/instances")
+    assert status == 200
+    lens = {i["role"]: i["max_model_len"] for i in body["instances"]}
+    # A prefill's is not read: its leg asks for one token.
+    assert lens == {"prefill": {}, "decode": {"m": 64}}
 
 
 async def test_a_decode_that_does_not_say_its_context_length_leaves_the_budget_to_it(
