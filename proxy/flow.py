@@ -49,7 +49,7 @@ from proxy.body import (
 )
 from proxy.errors import error_event, error_response
 from proxy.idle import IdleTimeout
-from proxy.instances import Instance, ModelPools, max_model_len
+from proxy.instances import Instance, ModelPools, short_contexts
 from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
 from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
 from proxy.upstream import ReplyTooLarge, read_capped
@@ -165,6 +165,9 @@ class _Request:
     # the request as several (n > 1, several prompts), or reads no KV it
     # did not compute for it (prompt logprobs).
     local_prefill: bool = False
+    # Decodes whose context is known too short for the output budget: tried
+    # last, as if they had failed already.
+    short_decodes: frozenset[Instance] = frozenset()
     outcome: str | None = None
     # Failures that count against their ``instance`` only if the request is served.
     unsettled: list[Failure] = field(default_factory=list)
@@ -414,14 +417,15 @@ class Flow:
         pools = req.pools
         budget = check_decode_fields(req.body, req.route)
         if budget.tokens is not None:
-            limit = max_model_len(pools.decode, req.body.model)
-            if limit is not None and budget.tokens > limit:
+            short, longest = short_contexts(pools.decode, req.body.model, budget.tokens)
+            if longest is not None:
                 # vLLM's own words (TokenizeParams), as its decode would answer.
                 raise BadRequest(
                     f"{budget.param}={budget.tokens} cannot be greater than "
-                    f"max_model_len={limit}. Please request fewer output tokens.",
+                    f"max_model_len={longest}. Please request fewer output tokens.",
                     budget.param,
                 )
+            req.short_decodes = short
         if (
             pools.prefill.policy == "prefix_hash"
             or pools.decode.policy == "prefix_hash"
@@ -494,7 +498,7 @@ class Flow:
         pools = req.pools
         probing = cfg.health.enabled
         avoid_p: set[Instance] = set()
-        avoid_d: set[Instance] = set()
+        avoid_d: set[Instance] = set(req.short_decodes)
         failure: Failure | None = None
         reason = "no attempt was made"
         try:

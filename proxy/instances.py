@@ -146,18 +146,25 @@ class Pool:
     instances: list[Instance] = field(default_factory=list)
 
 
-def max_model_len(pool: Pool, model: str | None) -> int | None:
-    """The largest context length a usable instance of ``pool`` serves
-    ``model`` with; None unless every usable one has said."""
-    limit: int | None = None
+def short_contexts(
+    pool: Pool, model: str | None, tokens: int
+) -> tuple[frozenset[Instance], int | None]:
+    """The usable instances of ``pool`` known to serve ``model`` with a
+    context shorter than ``tokens``, and, when every usable one is, the
+    longest of their contexts (else None: some instance may serve them)."""
+    short: list[Instance] = []
+    longest = 0
+    every = True
     for inst in pool.instances:
         if not inst.usable():
             continue
-        value = inst.max_model_len(model)
-        if value is None:
-            return None
-        limit = value if limit is None else max(limit, value)
-    return limit
+        length = inst.max_model_len(model)
+        if length is None or length >= tokens:
+            every = False
+            continue
+        short.append(inst)
+        longest = max(longest, length)
+    return frozenset(short), (longest if every and short else None)
 
 
 @dataclass(slots=True)

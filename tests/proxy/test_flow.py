@@ -466,6 +466,19 @@ async def test_a_budget_past_every_decodes_context_is_refused_before_its_prefill
     assert len(p.requests) == 1
 
 
+async def test_a_budget_only_some_decodes_hold_goes_to_those_decodes(stubs):
+    p = await stubs()
+    short, long = await stubs(served=context(64)), await stubs(served=context(128))
+    async with running_proxy(make_config([p.url], [short.url, long.url])) as px:
+        for max_tokens in [100] * 4 + [50] * 4:
+            body = {**COMPLETION, "max_tokens": max_tokens}
+            resp = await px.post("/v1/completions", body)
+            assert resp.status == 200
+            await resp.read()
+    assert [b["max_tokens"] for b in short.bodies()] == [50] * 2
+    assert [b["max_tokens"] for b in long.bodies()] == [100] * 4 + [50] * 2
+
+
 async def test_the_admin_api_shows_each_decodes_context_length(stubs, monkeypatch):
     monkeypatch.setenv("ADM", "adm")
     p, d = await stubs(served=context(64)), await stubs(served=context(64))
