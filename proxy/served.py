@@ -51,11 +51,16 @@ async def served_models(
 
 
 def context_lens(entries: list[dict[str, Any]] | None) -> dict[str, int]:
-    """``id`` → ``max_model_len`` of the entries that give one (vLLM's model
-    cards do; its LoRA adapters' do not)."""
+    """``id`` → ``max_model_len`` of the entries that give one (vLLM's base
+    models do) or whose ``parent`` does (vLLM's LoRA adapters, served
+    within their base model's context)."""
     lens: dict[str, int] = {}
     for entry in entries or ():
         value = entry.get("max_model_len")
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             lens[str(entry["id"])] = value
+    for entry in entries or ():
+        name, parent = str(entry["id"]), entry.get("parent")
+        if name not in lens and isinstance(parent, str) and parent in lens:
+            lens[name] = lens[parent]
     return lens

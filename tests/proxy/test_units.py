@@ -31,6 +31,7 @@ from proxy.ejection import IntegrityTracker, _concentrated
 from proxy.instances import Instance, Pool
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
+from proxy.served import context_lens
 from proxy.sse import EventReader, First, FirstEventScanner
 from proxy.state import ProxyState
 
@@ -620,6 +621,26 @@ def test_fields_vllm_accepts_pass_and_give_the_output_budget(route, fields, budg
     base = {"prompt": "x"} if route is Route.COMPLETIONS else CHAT_MESSAGES
     req = parse_request(msgspec.json.encode({**base, **fields}), route)
     assert check_decode_fields(req, route) == budget
+
+
+def test_context_lens_are_read_from_vllms_model_cards_loras_from_their_parent():
+    # vLLM 0.32's /v1/models: base models with max_model_len, LoRA adapters
+    # without it but with their parent (OpenAIServingModels).
+    entries = [
+        {"id": "llama", "max_model_len": 4096, "parent": None},
+        {"id": "llama-alias", "max_model_len": 4096},
+        {"id": "sql-lora", "max_model_len": None, "parent": "llama"},
+        {"id": "orphan-lora", "parent": "gone"},
+        {"id": "odd", "max_model_len": True},
+        {"id": "negative", "max_model_len": -1},
+        {"id": "text", "max_model_len": "4096"},
+    ]
+    assert context_lens(entries) == {
+        "llama": 4096,
+        "llama-alias": 4096,
+        "sql-lora": 4096,
+    }
+    assert context_lens(None) == {}
 
 
 def test_prefix_key_reads_the_prompt_or_messages():
