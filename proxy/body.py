@@ -275,10 +275,15 @@ def streams_alike(req: ClientRequest) -> bool:
     """Whether a non-streaming request may be decoded as a stream.
 
     vLLM refuses ``stream_options`` without a stream (the client must see
-    that 400) and ``prompt_logprobs`` within one.
+    that 400), and ``prompt_logprobs`` and a completions beam search within
+    one.
     """
     obj = req.obj
-    return not obj.get("stream_options") and not obj.get("prompt_logprobs")
+    return (
+        not obj.get("stream_options")
+        and not obj.get("prompt_logprobs")
+        and not uses_beam_search(req)
+    )
 
 
 def several_requests(req: ClientRequest, route: Route) -> bool:
@@ -322,6 +327,19 @@ def wants_prompt_logprobs(req: ClientRequest, route: Route) -> bool:
         if route is Route.CHAT:
             return True
         return _vllm_int(obj.get("logprobs")) is not None
+    except pydantic.ValidationError:
+        return False
+
+
+def uses_beam_search(req: ClientRequest) -> bool:
+    """Whether vLLM runs the request as a beam search, whose steps are
+    requests of its own without the ``kv_transfer_params``: the prefill's KV
+    would never be sent, and the decode would prefill locally anyway
+    (docs/wire.md, "Beam search"). A value vLLM refuses counts as False:
+    its 400 then comes from the prefill.
+    """
+    try:
+        return bool(_vllm_bool(req.obj.get("use_beam_search")))
     except pydantic.ValidationError:
         return False
 

@@ -45,6 +45,7 @@ from proxy.body import (
     several_requests,
     stream_body,
     streams_alike,
+    uses_beam_search,
     wants_prompt_logprobs,
 )
 from proxy.errors import error_event, error_response
@@ -163,7 +164,7 @@ class _Request:
     assemble: bool = False  # a stream decoded for a non-streaming client
     # Every attempt's decode prefills locally (no prefill leg): vLLM runs
     # the request as several (n > 1, several prompts), or reads no KV it
-    # did not compute for it (prompt logprobs).
+    # did not compute for it (prompt logprobs, beam search).
     local_prefill: bool = False
     # Decodes whose context is known too short for the output budget: tried
     # last, as if they had failed already.
@@ -431,8 +432,10 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.local_prefill = several_requests(req.body, req.route) or (
-            wants_prompt_logprobs(req.body, req.route)
+        req.local_prefill = (
+            several_requests(req.body, req.route)
+            or wants_prompt_logprobs(req.body, req.route)
+            or uses_beam_search(req.body)
         )
         if not req.local_prefill:
             req.prefill_body = prefill_body(req.body)

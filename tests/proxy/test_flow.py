@@ -645,6 +645,29 @@ async def test_a_request_without_prompt_logprobs_goes_through_a_prefill(
     assert "kv_transfer_params" in d.bodies()[0]
 
 
+@pytest.mark.parametrize("value", [True, "yes", 1])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_beam_search_is_prefilled_and_not_streamed_on_the_decode(
+    stubs, path, value
+):
+    # vLLM's beam search runs steps of its own without kv_transfer_params,
+    # and refuses a stream (completions).
+    base = COMPLETION if path == "/v1/completions" else CHAT
+    p, d = await served_1p1d(stubs, path, {**base, "use_beam_search": value})
+    assert not p.requests
+    (sent,) = d.bodies()
+    assert "kv_transfer_params" not in sent and "stream" not in sent
+
+
+@pytest.mark.parametrize("value", [False, "off", None, "maybe"])
+async def test_a_request_without_a_beam_search_goes_through_a_prefill(stubs, value):
+    # A value vLLM refuses ("maybe", null) gets the prefill's 400 first.
+    p, _ = await served_1p1d(
+        stubs, "/v1/completions", {**COMPLETION, "use_beam_search": value}
+    )
+    assert len(p.requests) == 1
+
+
 async def test_a_chat_request_with_a_stray_prompt_list_goes_through_a_prefill(
     stubs,
 ):

@@ -309,13 +309,16 @@ async def test_clean_loads_through_the_proxy_verify_and_match_a_single_instance(
     assert await prefix_cache_hits(http, servers, mode, PROMPTS[:FEW]) > 0
 
 
-@pytest.mark.parametrize("kind", ["choices", "prompts", "prompt-logprobs"])
+@pytest.mark.parametrize(
+    "kind", ["choices", "prompts", "prompt-logprobs", "beam-search"]
+)
 async def test_requests_that_would_not_use_a_prefill_are_prefilled_on_the_decode(
     http: aiohttp.ClientSession, servers: Servers, mode: str, kind: str
 ) -> None:
     # Several choices would each pull the same prefill's KV; several prompts,
     # one longer than the prefill's, stop the decode's engine; a decode
-    # computing prompt logprobs reads no KV it did not compute (docs/wire.md).
+    # computing prompt logprobs reads no KV it did not compute; a beam
+    # search's steps carry no kv_transfer_params (docs/wire.md).
     await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
     async with Changes(http, servers, mode) as change:
         for i, prompt in enumerate(PROMPTS[:FEW]):
@@ -324,12 +327,17 @@ async def test_requests_that_would_not_use_a_prefill_are_prefilled_on_the_decode
                 body.update(prompt=prompt, n=2, temperature=0.8, seed=i)
             elif kind == "prompts":
                 body.update(prompt=[prompt, PROMPTS[-1 - i]], temperature=0)
+            elif kind == "beam-search":
+                body.update(prompt=prompt, use_beam_search=True, n=1)
             else:
                 body.update(prompt=prompt, prompt_logprobs=1, temperature=0)
             url = f"{proxy_url(servers, mode)}/v1/completions"
             status, answer = await post(http, url, body, f"{kind}-{mode}-{i}")
             assert status == 200, answer
-            assert len(answer["choices"]) == (1 if kind == "prompt-logprobs" else 2)
+            several = kind in ("choices", "prompts")
+            assert len(answer["choices"]) == (2 if several else 1)
+    # The producer saw none of them.
+    assert change.producer.get("vllm:prompt_tokens_total", 0) == 0
     assert change.producer.get("kvguard_kv_checksum_sent_total", 0) == 0
     for name in ("checksum_verified", "checksum_mismatch", "load_failures"):
         assert change.consumer_count(name) == 0, name
