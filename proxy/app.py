@@ -81,17 +81,15 @@ async def _models(request: web.Request) -> web.Response:
         if inst.usable():
             by_url.setdefault(inst.url, inst)
 
-    async def fetch(inst: Instance) -> list[dict[str, Any]]:
-        entries = await served_models(
-            state.session,
-            inst,
-            state.config.health.timeout_s,
-            state.config.limits.max_reply_bytes,
+    cfg = state.config
+    fetches = (
+        served_models(
+            state.session, inst, cfg.health.timeout_s, cfg.limits.max_reply_bytes
         )
-        return entries or []
-
+        for inst in by_url.values()
+    )
     union: dict[str, dict[str, Any]] = {}
-    for entries in await asyncio.gather(*(fetch(i) for i in by_url.values())):
+    for entries in await asyncio.gather(*fetches):
         for entry in entries:
             union.setdefault(str(entry["id"]), entry)
     for name in state.models:

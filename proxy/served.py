@@ -21,9 +21,9 @@ _decode_json = msgspec.json.Decoder().decode
 
 async def served_models(
     session: aiohttp.ClientSession, inst: Instance, timeout_s: float, max_bytes: int
-) -> list[dict[str, Any]] | None:
+) -> list[dict[str, Any]]:
     """The entries (each with an ``id``) of ``inst``'s ``GET /v1/models``;
-    None when it does not answer 200 with a JSON object in time."""
+    none when it does not answer 200 with a list of them in time."""
     try:
         async with session.get(
             inst.url + "/v1/models",
@@ -31,7 +31,7 @@ async def served_models(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             if resp.status != 200:
-                return None
+                return []
             data = _decode_json(await read_capped(resp, max_bytes))
     except (
         TimeoutError,
@@ -41,25 +41,23 @@ async def served_models(
         RecursionError,
         ReplyTooLarge,
     ):
-        return None
-    if not isinstance(data, dict):
-        return None
-    entries = data.get("data")
+        return []
+    entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return []
     return [e for e in entries if isinstance(e, dict) and "id" in e]
 
 
-def context_lens(entries: list[dict[str, Any]] | None) -> dict[str, int]:
+def context_lens(entries: list[dict[str, Any]]) -> dict[str, int]:
     """``id`` → ``max_model_len`` of the entries that give one (vLLM's base
     models do) or whose ``parent`` does (vLLM's LoRA adapters, served
     within their base model's context)."""
     lens: dict[str, int] = {}
-    for entry in entries or ():
+    for entry in entries:
         value = entry.get("max_model_len")
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             lens[str(entry["id"])] = value
-    for entry in entries or ():
+    for entry in entries:
         name, parent = str(entry["id"]), entry.get("parent")
         if name not in lens and isinstance(parent, str) and parent in lens:
             lens[name] = lens[parent]

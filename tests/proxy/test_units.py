@@ -640,7 +640,7 @@ def test_context_lens_are_read_from_vllms_model_cards_loras_from_their_parent():
         "llama-alias": 4096,
         "sql-lora": 4096,
     }
-    assert context_lens(None) == {}
+    assert context_lens([]) == {}
 
 
 def test_prefix_key_reads_the_prompt_or_messages():
