@@ -228,7 +228,7 @@ def check_decode_fields(req: ClientRequest, route: Route) -> OutputBudget:
     min_tokens = _count(obj, "min_tokens", default=0)
     assert min_tokens is not None
     sampled = budget.tokens
-    if sampled == 0 and route is Route.COMPLETIONS and _echo(obj):
+    if sampled == 0 and route is Route.COMPLETIONS and _lax_bool(obj.get("echo")):
         sampled = 1  # vLLM echoes the prompt and samples one token
     if sampled is not None and sampled < 1:
         raise BadRequest(f"max_tokens must be at least 1, got {sampled}.", "max_tokens")
@@ -262,11 +262,11 @@ def _count(obj: dict[str, Any], name: str, default: int | None = None) -> int | 
         raise BadRequest(f"'{name}' must be an integer", name) from None
 
 
-def _echo(obj: dict[str, Any]) -> bool:
-    """``echo`` as vLLM reads it; a value vLLM refuses counts as False (the
-    prefill, which gets it too, answers that 400)."""
+def _lax_bool(value: Any) -> bool:
+    """``value`` as vLLM reads a ``bool`` field; one vLLM refuses counts as
+    False (the prefill, which gets it too, answers that 400)."""
     try:
-        return bool(_vllm_bool(obj.get("echo")))
+        return bool(_vllm_bool(value))
     except pydantic.ValidationError:
         return False
 
@@ -338,10 +338,7 @@ def uses_beam_search(req: ClientRequest) -> bool:
     (docs/wire.md, "Beam search"). A value vLLM refuses counts as False:
     its 400 then comes from the prefill.
     """
-    try:
-        return bool(_vllm_bool(req.obj.get("use_beam_search")))
-    except pydantic.ValidationError:
-        return False
+    return _lax_bool(req.obj.get("use_beam_search"))
 
 
 def _num_prompts(value: Any) -> int:

@@ -127,9 +127,9 @@ class Health:
         started = time.monotonic()
         ok = await self.probe(inst.url, inst.headers, cfg)
         self._probed(inst, ok, started, cfg)
-        if ok and inst.failed_at < started:
-            inst.healthy = True
         if ok:
+            if inst.failed_at < started:
+                inst.healthy = True
             await self.read_context_lens([inst], cfg)
         return ok
 
