@@ -271,17 +271,17 @@ def _lax_bool(value: Any) -> bool:
         return False
 
 
-def streams_alike(req: ClientRequest) -> bool:
+def streams_alike(req: ClientRequest, route: Route) -> bool:
     """Whether a non-streaming request may be decoded as a stream.
 
     vLLM refuses ``stream_options`` without a stream (the client must see
-    that 400), and ``prompt_logprobs`` and a completions beam search within
-    one.
+    that 400), and a completions beam search within one. Prompt logprobs
+    (``wants_prompt_logprobs``, ``prompt_logprobs: 0`` and ``echo`` included)
+    are in vLLM's non-streaming reply only.
     """
-    obj = req.obj
     return (
-        not obj.get("stream_options")
-        and not obj.get("prompt_logprobs")
+        not req.obj.get("stream_options")
+        and not wants_prompt_logprobs(req, route)
         and not uses_beam_search(req)
     )
 

@@ -443,7 +443,7 @@ class Flow:
         if (
             not req.body.stream
             and cfg.retry.non_stream_as_stream
-            and streams_alike(req.body)
+            and streams_alike(req.body, req.route)
         ):
             req.assemble = True
             req.decode_raw = stream_body(req.body, cfg.retry.non_stream_interval)

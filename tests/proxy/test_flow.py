@@ -636,6 +636,17 @@ async def test_a_request_for_prompt_logprobs_is_prefilled_on_the_decode(
     assert "kv_transfer_params" not in d.bodies()[0]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"), PROMPT_LOGPROBS.values(), ids=PROMPT_LOGPROBS.keys()
+)
+async def test_a_non_stream_request_for_prompt_logprobs_is_not_streamed_on_the_decode(
+    stubs, path, body
+):
+    # vLLM puts prompt logprobs in its non-streaming reply only.
+    _, d = await served_1p1d(stubs, path, body)
+    assert "stream" not in d.bodies()[0]
+
+
 @pytest.mark.parametrize(("path", "body"), READS_KV.values(), ids=READS_KV.keys())
 async def test_a_request_without_prompt_logprobs_goes_through_a_prefill(
     stubs, path, body
