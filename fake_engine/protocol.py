@@ -413,7 +413,9 @@ class ResponseBuilder:
     (``chat=False``) or ``/v1/chat/completions`` (``chat=True``) writes it:
     the whole response, or a stream's chunks. vLLM's schema lives here only.
 
-    ``echo`` (completions) is the prompt's text, put before the answer's.
+    ``echo`` (completions) is the prompt's text, put before the answer's
+    (empty with ``return_token_ids``, as vLLM's); with ``echoes`` a stream's
+    first chunk carries the prompt's ids, asked for or not, as vLLM's does.
     ``continuous_usage`` puts usage in every chunk, ``include_usage`` a usage
     chunk at the end (``stream_options``). ``system_fingerprint`` goes in
     the whole response and in a stream's last chunk.
@@ -427,6 +429,7 @@ class ResponseBuilder:
     continuous_usage: bool = False
     include_usage: bool = False
     echo: str = ""
+    echoes: bool = False
     system_fingerprint: str | None = None
     # A stream's chunks all carry the time it started.
     created: int = field(default_factory=now)
@@ -550,7 +553,7 @@ class ResponseBuilder:
         else:
             choice["stop_reason"] = stop_reason
             choice["prompt_token_ids"] = (
-                self.prompt_token_ids if ids and first else None
+                self.prompt_token_ids if first and (ids or self.echoes) else None
             )
         choice["token_ids"] = token_ids if ids else None
         chunk = self._head(self._chunk_object, self.created)

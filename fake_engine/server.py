@@ -212,8 +212,13 @@ class EngineServer:
             max_tokens,
             aliases=(base, response_id, f"{response_id}-0"),
         )
+        # vLLM echoes the prompt's ids instead of its text where both are asked.
         builder = self._builder(
-            body, response_id, prompt_ids, echo=decode(prompt_ids) if body.echo else ""
+            body,
+            response_id,
+            prompt_ids,
+            echo=decode(prompt_ids) if body.echo and not body.return_token_ids else "",
+            echoes=bool(body.echo),
         )
         return await self._respond(
             request, engine_request, builder, bool(body.stream), body.stream_interval
@@ -525,6 +530,7 @@ class EngineServer:
         prompt_ids: list[int],
         *,
         echo: str = "",
+        echoes: bool = False,
     ) -> ResponseBuilder:
         """The response's builder, in the request's API (chat or completions)."""
         return ResponseBuilder(
@@ -536,6 +542,7 @@ class EngineServer:
             continuous_usage=body.continuous_usage,
             include_usage=body.include_usage,
             echo=echo,
+            echoes=echoes,
             system_fingerprint=self.system_fingerprint,
         )
 
@@ -645,9 +652,7 @@ class EngineServer:
                     held = out
                     continue
                 num_output += len(out.token_ids)
-                if not _shows_nothing(
-                    out, num_output, echoes=first and bool(builder.echo)
-                ):
+                if not _shows_nothing(out, num_output, echoes=first and builder.echoes):
                     chunk = builder.chunk(
                         text=out.text,
                         finish_reason=out.finish_reason,

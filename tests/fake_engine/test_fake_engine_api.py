@@ -153,17 +153,32 @@ async def test_stop_string_ends_the_text(
     assert events[-2]["choices"][0]["stop_reason"] == stop
 
 
-async def test_token_ids_and_echo_on_request(
+async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
     session: aiohttp.ClientSession, url: str
 ) -> None:
-    body = completion_body(
-        prompt=[72, 105], max_tokens=3, echo=True, return_token_ids=True
-    )
+    # As vLLM 0.32: with return_token_ids the prompt's ids replace its text.
+    body = completion_body(prompt=[72, 105], max_tokens=3)
+    _, plain = await post(session, url + COMPLETIONS, body)
+    _, echo = await post(session, url + COMPLETIONS, {**body, "echo": True})
+    assert echo["choices"][0]["text"] == "Hi" + text_of(plain)
+    assert echo["choices"][0]["prompt_token_ids"] is None
+    body.update(echo=True, return_token_ids=True)
     _, answer = await post(session, url + COMPLETIONS, body)
     choice = answer["choices"][0]
     assert choice["prompt_token_ids"] == [72, 105]
     assert len(choice["token_ids"]) == 3
-    assert choice["text"].startswith("Hi")
+    assert choice["text"] == text_of(plain)
+
+
+async def test_an_echo_stream_carries_the_prompts_ids_in_its_first_chunk(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # vLLM's completions stream does, return_token_ids or not.
+    body = completion_body(prompt=[72, 105], max_tokens=3, echo=True, stream=True)
+    _, events = await stream(session, url + COMPLETIONS, body)
+    ids = [e["choices"][0]["prompt_token_ids"] for e in events[:-1]]
+    assert ids == [[72, 105], None, None]
+    assert streamed_text(events).startswith("Hi")
 
 
 async def test_unknown_fields_are_accepted_with_a_warning(
