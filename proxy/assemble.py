@@ -6,6 +6,10 @@ does for a client's stream. The client still gets one JSON reply: the chunks'
 deltas merged per choice, text concatenated, as vLLM's non-streaming reply
 carries them. Fields vLLM sends only outside a stream (``kv_transfer_params``,
 ``prompt_logprobs`` and the like, null for a decode) are absent.
+
+vLLM's completions stream carries the prompt's token ids in the first chunk
+for ``echo`` as well as for ``return_token_ids``; its non-streaming reply
+only for ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ _OBJECT = {"chat.completion.chunk": "chat.completion"}
 class Assembler:
     """Merges stream chunks (parsed ``data:`` events) into one reply."""
 
-    __slots__ = ("_choices", "_top")
+    __slots__ = ("_choices", "_prompt_token_ids", "_top")
 
-    def __init__(self) -> None:
+    def __init__(self, *, prompt_token_ids: bool = True) -> None:
+        """``prompt_token_ids``: the client asked for them
+        (``return_token_ids``); else the reply's choices carry null."""
         self._top: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
+        self._prompt_token_ids = prompt_token_ids
 
     def feed(self, chunk: dict[str, Any]) -> None:
         """Adds one chunk; chunks come in stream order."""
@@ -69,7 +76,11 @@ class Assembler:
         obj = reply.get("object")
         if isinstance(obj, str):
             reply["object"] = _OBJECT.get(obj, obj)
-        reply["choices"] = [self._choices[i] for i in sorted(self._choices)]
+        reply["choices"] = choices = [self._choices[i] for i in sorted(self._choices)]
+        if not self._prompt_token_ids:
+            for choice in choices:
+                if choice.get("prompt_token_ids") is not None:
+                    choice["prompt_token_ids"] = None
         if "usage" in reply:  # vLLM puts it after the choices
             reply["usage"] = reply.pop("usage")
         return reply

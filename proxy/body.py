@@ -331,6 +331,12 @@ def wants_prompt_logprobs(req: ClientRequest, route: Route) -> bool:
         return False
 
 
+def returns_token_ids(req: ClientRequest) -> bool:
+    """Whether the client asked for token ids (``return_token_ids``), as
+    vLLM reads it."""
+    return _lax_bool(req.obj.get("return_token_ids"))
+
+
 def uses_beam_search(req: ClientRequest) -> bool:
     """Whether vLLM runs the request as a beam search, whose steps are
     requests of its own without the ``kv_transfer_params``: the prefill's KV

@@ -42,6 +42,7 @@ from proxy.body import (
     prefill_body,
     prefix_key,
     remote_request_id,
+    returns_token_ids,
     several_requests,
     stream_body,
     streams_alike,
@@ -918,7 +919,7 @@ class Flow:
         limit = cfg.limits.max_reply_bytes
         idle = cfg.timeouts.stream_idle_s
         reader = EventReader()
-        reply = Assembler()
+        reply = Assembler(prompt_token_ids=returns_token_ids(req.body))
         size = len(first.held)
         events = reader.feed(first.held)
         done = False

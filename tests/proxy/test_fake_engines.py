@@ -470,18 +470,29 @@ async def test_hung_kv_load_of_a_non_stream_request_is_retried_like_a_streams():
     assert metric(metrics, "kvguard_proxy_retries_total", reason="decode_timeout") == 1
 
 
-async def test_assembled_non_stream_reply_matches_the_engines_own():
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"return_token_ids": True},
+        {"echo": True},
+        {"echo": True, "return_token_ids": True},
+    ],
+    ids=["token-ids", "echo", "echo-token-ids"],
+)
+async def test_assembled_non_stream_reply_matches_the_engines_own(fields):
     async with (
         fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
         running_proxy(make_config([p], [d])) as px,
         aiohttp.ClientSession() as s,
     ):
         for route in ("/v1/completions", "/v1/chat/completions"):
+            if route != "/v1/completions" and "echo" in fields:
+                continue  # a chat echo wants prompt logprobs: not assembled
             payload = {
                 # 40 tokens: the decode's chunks of 16 (non_stream_interval)
                 # after the first, joined.
                 **body(route, PROMPTS[4], False, 40),
-                "return_token_ids": True,
+                **fields,
                 "stop": ["zz"],
             }
             async with s.post(mono + route, json=payload) as resp:
@@ -501,6 +512,7 @@ async def test_assembled_non_stream_reply_matches_the_engines_own():
                 assert g[key] == w[key], key
             if route == "/v1/completions":
                 assert g["text"] == w["text"]
+                assert g["prompt_token_ids"] == w["prompt_token_ids"]
             else:
                 assert g["message"]["role"] == w["message"]["role"]
                 assert g["message"]["content"] == w["message"]["content"]

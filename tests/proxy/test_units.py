@@ -714,6 +714,16 @@ def test_assembler_joins_completion_chunks_per_choice_with_usage():
     assert second["finish_reason"] == "length" and second["token_ids"] == [2, 3]
 
 
+def test_assembler_keeps_prompt_token_ids_only_where_the_client_asked():
+    # vLLM's completions stream sends them for an echo too, its JSON does not.
+    choice = {"index": 0, "text": "a", "prompt_token_ids": [7, 8]}
+    chunk = {"object": "text_completion", "choices": [choice]}
+    for asked, want in ((True, [7, 8]), (False, None)):
+        a = Assembler(prompt_token_ids=asked)
+        a.feed(chunk)
+        assert a.result()["choices"][0]["prompt_token_ids"] == want
+
+
 def test_assembler_builds_a_chat_message_with_tool_calls():
     a = Assembler()
     deltas = [
