@@ -427,6 +427,87 @@ async def test_a_non_stream_answer_assembled_from_batched_chunks_is_a_single_ins
     assert got["usage"]["completion_tokens"] == 40
 
 
+CHAT = "/v1/chat/completions"
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": PROMPTS[2]},
+]
+# Non-streaming bodies (the proxy assembles most from the decode's stream):
+# path and fields beside the model and temperature 0.
+WHOLE_ANSWERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "plain": ("/v1/completions", {}),
+    "logprobs": ("/v1/completions", {"logprobs": 2}),
+    "echo": ("/v1/completions", {"echo": True}),
+    "echo-logprobs": ("/v1/completions", {"echo": True, "logprobs": 1}),
+    "echo-token-ids": ("/v1/completions", {"echo": True, "return_token_ids": True}),
+    "token-ids": ("/v1/completions", {"return_token_ids": True}),
+    "prompt-logprobs-0": ("/v1/completions", {"prompt_logprobs": 0}),
+    "prompt-logprobs": ("/v1/completions", {"prompt_logprobs": 1}),
+    "stop": ("/v1/completions", {"stop": ["e"], "include_stop_str_in_output": True}),
+    "sampled": ("/v1/completions", {"temperature": 0.9, "seed": 7}),
+    "regex": ("/v1/completions", {"structured_outputs": {"regex": "[a-c]{5}"}}),
+    "chat": (CHAT, {}),
+    "chat-max-completion-tokens": (CHAT, {"max_completion_tokens": 5}),
+    "chat-logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}),
+    "chat-echo": (CHAT, {"echo": True}),
+    "chat-token-ids": (CHAT, {"return_token_ids": True}),
+    "chat-json": (CHAT, {"response_format": {"type": "json_object"}}),
+    "chat-sampled": (CHAT, {"temperature": 0.7, "seed": 3}),
+    "chat-continued": (
+        CHAT,
+        {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "Sure"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+}
+# Differ from call to call.
+VOLATILE = frozenset({"id", "created"})
+
+
+def _unlike(want: Any, got: Any, path: str = "") -> list[str]:
+    """Where ``got`` differs from ``want``; a field absent from one and null
+    in the other is alike (the proxy leaves out what vLLM nulls outside a
+    stream, docs/wire.md)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        return [
+            line
+            for key in sorted((set(want) | set(got)) - VOLATILE)
+            for line in _unlike(want.get(key), got.get(key), f"{path}.{key}")
+        ]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [
+            line
+            for i, (w, g) in enumerate(zip(want, got, strict=True))
+            for line in _unlike(w, g, f"{path}[{i}]")
+        ]
+    if want != got:
+        return [f"{path}: vLLM {json.dumps(want)[:120]}, proxy {json.dumps(got)[:120]}"]
+    return []
+
+
+async def test_whole_non_stream_answers_through_the_proxy_are_a_single_instances(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    differ = {}
+    for name, (path, fields) in WHOLE_ANSWERS.items():
+        body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
+        body.update(
+            {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPTS[3]}, **fields
+        )
+        url = servers.engine("producer").url + path
+        status, want = await post(http, url, body, f"{name}-single")
+        assert status == 200, want
+        url = proxy_url(servers, mode) + path
+        status, got = await post(http, url, body, f"{name}-{mode}")
+        assert status == 200, got
+        if lines := _unlike(want, got):
+            differ[name] = "\n  ".join(lines)
+    assert not differ, "\n".join(f"{name}:\n  {why}" for name, why in differ.items())
+
+
 async def test_a_compiled_consumer_verifies_clean_loads_and_compiles_only_at_start(
     http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:

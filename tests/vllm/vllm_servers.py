@@ -50,6 +50,8 @@ BLOCK_SIZE = 32
 # 256 MiB of KV cache: thousands of the tiny model's 16 KiB blocks.
 KV_CACHE_BYTES = 256 << 20
 MIDDLEWARE = "engine_patch.vllm.errors.kv_checksum_errors"
+# The tiny models' tokenizer has no chat template of its own.
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 SCHEDULER_CLS = "engine_patch.vllm.scheduler.KVGuardScheduler"
 
 # vLLM logs the first line as its worker creates a NIXL agent, NIXL the
@@ -444,6 +446,7 @@ class VllmServer(Server):
             "--max-num-seqs", "4", "--block-size", str(spec.block_size),
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             "--enforce-eager",
+            "--chat-template", str(CHAT_TEMPLATE),
             "--kv-transfer-config", json.dumps(kv_transfer_config),
             *spec.args,
         ]  # fmt: skip
