@@ -446,12 +446,35 @@ WHOLE_ANSWERS: dict[str, tuple[str, dict[str, Any]]] = {
     "stop": ("/v1/completions", {"stop": ["e"], "include_stop_str_in_output": True}),
     "sampled": ("/v1/completions", {"temperature": 0.9, "seed": 7}),
     "regex": ("/v1/completions", {"structured_outputs": {"regex": "[a-c]{5}"}}),
+    "echo-without-generation": ("/v1/completions", {"echo": True, "max_tokens": 0}),
+    "truncated": ("/v1/completions", {"truncate_prompt_tokens": 10}),
+    # Prefilled on the decode (docs/wire.md, "Several choices or prompts").
+    "choices": ("/v1/completions", {"n": 2, "temperature": 0.8, "seed": 1}),
+    "prompts": ("/v1/completions", {"prompt": [PROMPTS[3], PROMPTS[4]]}),
     "chat": (CHAT, {}),
     "chat-max-completion-tokens": (CHAT, {"max_completion_tokens": 5}),
     "chat-logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}),
     "chat-echo": (CHAT, {"echo": True}),
     "chat-token-ids": (CHAT, {"return_token_ids": True}),
     "chat-json": (CHAT, {"response_format": {"type": "json_object"}}),
+    "chat-schema": (
+        CHAT,
+        {
+            "max_tokens": 20,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "a",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "integer"}},
+                        "required": ["a"],
+                    },
+                },
+            },
+        },
+    ),
+    "chat-choices": (CHAT, {"n": 2, "temperature": 0.8, "seed": 1}),
     "chat-sampled": (CHAT, {"temperature": 0.7, "seed": 3}),
     "chat-continued": (
         CHAT,
