@@ -5,6 +5,7 @@ them), response and stream chunk bodies, and vLLM's error JSON."""
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 import uuid
@@ -117,7 +118,8 @@ def _check_stream_options(data: Any) -> Any:
 
 class _GenerateRequest(_OpenAIModel):
     """Fields completions and chat share. Sampling fields the deterministic
-    model does not use (temperature, top_p, seed, ...) are accepted."""
+    model does not use (temperature, top_p, seed, ...) are accepted within
+    vLLM's ranges (``check_supported``)."""
 
     model: str | None = None
     stop: str | list[str] | None = []
@@ -166,11 +168,61 @@ class _GenerateRequest(_OpenAIModel):
                 "Beam search is not supported by the fake engine.",
                 param="use_beam_search",
             )
+        self._check_sampling()
         if self.min_tokens < 0:
             # SamplingParams._verify_args names no parameter here.
             raise vllm_validation_error(
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
+
+    def _check_sampling(self) -> None:
+        """The ranges vLLM's ``SamplingParams`` enforces on the values a
+        request sets, in its order and words: this engine samples greedily,
+        but a body vLLM refuses must be refused here too.
+
+        Raises:
+            RequestError: vLLM's 400 for the first value out of range.
+        """
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                raise vllm_validation_error(f"{name} must be in [-2, 2], got {value}.")
+        if (penalty := self.repetition_penalty) is not None:
+            if not math.isfinite(penalty):
+                raise vllm_validation_error(
+                    f"repetition_penalty must be a finite number, got {penalty}."
+                )
+            if penalty <= 0.0:
+                raise vllm_validation_error(
+                    f"repetition_penalty must be greater than zero, got {penalty}."
+                )
+        if (temperature := self.temperature) is not None:
+            if not math.isfinite(temperature):
+                reason = "must be a finite number"
+            elif temperature < 0.0:
+                reason = "must be non-negative"
+            elif temperature > 2.0:
+                reason = "must be in [0, 2]"
+            else:
+                reason = ""
+            if reason:
+                raise vllm_validation_error(
+                    f"temperature {reason}, got {temperature}.",
+                    param="temperature",
+                    value=temperature,
+                )
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise vllm_validation_error(
+                f"top_p must be in (0, 1], got {self.top_p}.",
+                param="top_p",
+                value=self.top_p,
+            )
+        if self.top_k is not None and self.top_k < -1:
+            raise vllm_validation_error(
+                f"top_k must be 0 (disable), or at least 1, got {self.top_k}."
+            )
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise vllm_validation_error(f"min_p must be in [0, 1], got {self.min_p}.")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

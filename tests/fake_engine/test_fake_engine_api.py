@@ -292,6 +292,59 @@ async def test_malformed_request_gets_a_400_and_the_engine_keeps_serving(
     assert status == 200
 
 
+# Sampling values vLLM 0.32's SamplingParams refuses, with its messages.
+OUT_OF_RANGE = {
+    "presence-penalty": (
+        {"presence_penalty": 3},
+        "presence_penalty must be in [-2, 2], got 3.0.",
+    ),
+    "frequency-penalty": (
+        {"frequency_penalty": -2.5},
+        "frequency_penalty must be in [-2, 2], got -2.5.",
+    ),
+    "repetition-penalty": (
+        {"repetition_penalty": 0},
+        "repetition_penalty must be greater than zero, got 0.0.",
+    ),
+    "temperature-negative": (
+        {"temperature": -1},
+        "temperature must be non-negative, got -1.0. "
+        "(parameter=temperature, value=-1.0)",
+    ),
+    "temperature-above-2": (
+        {"temperature": 2.5},
+        "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)",
+    ),
+    "top-p-0": (
+        {"top_p": 0},
+        "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)",
+    ),
+    "top-k": ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
+    "min-p": ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
+}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(
+    ("fields", "message"), OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys()
+)
+async def test_sampling_values_vllm_refuses_are_refused_in_its_words(
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    fields: dict[str, float],
+    message: str,
+) -> None:
+    # The model is greedy, but a proxy in front must see vLLM's 400.
+    body = completion_body(max_tokens=2) if path == COMPLETIONS else chat_body()
+    status, answer = await post(session, url + path, {**body, **fields})
+    assert status == 400
+    assert answer["error"]["message"] == message
+    edge = {name: 1 if name != "top_k" else -1 for name in fields}
+    status, _ = await post(session, url + path, {**body, **edge})
+    assert status == 200
+
+
 async def test_bad_json_gets_vllms_validation_error(
     session: aiohttp.ClientSession, url: str
 ) -> None:
