@@ -1,0 +1,140 @@
+"""The fake engine answers like vLLM 0.32 on the wire: the same bodies get
+the same statuses, and answers and stream events of the same shape (keys,
+and the JSON type of each value; the models and so the texts differ).
+
+The proxy's tests run against fake engines; a field or an error vLLM sends
+and the fake engine does not would leave the proxy's handling of it
+untested (an echo's prompt token ids in a stream were one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from vllm_client import MODEL_NAME
+from vllm_servers import EngineSpec, Servers
+
+from fake_engine.config import EngineConfig
+from fake_engine.testing import fake_engines
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.timeout(600),
+]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+PROMPT = "The quick brown fox jumps over the lazy dog, then it"
+MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
+
+BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completion": (COMPLETIONS, {}),
+    "completion-token-ids": (COMPLETIONS, {"return_token_ids": True}),
+    "completion-echo": (COMPLETIONS, {"echo": True}),
+    "completion-echo-token-ids": (
+        COMPLETIONS,
+        {"echo": True, "return_token_ids": True},
+    ),
+    "completion-stream": (COMPLETIONS, {"stream": True}),
+    "completion-stream-usage": (
+        COMPLETIONS,
+        {"stream": True, "stream_options": {"include_usage": True}},
+    ),
+    "completion-stream-continuous-usage": (
+        COMPLETIONS,
+        {
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    "completion-stream-token-ids": (
+        COMPLETIONS,
+        {"stream": True, "return_token_ids": True},
+    ),
+    "completion-stream-echo": (COMPLETIONS, {"stream": True, "echo": True}),
+    "chat": (CHAT, {}),
+    "chat-token-ids": (CHAT, {"return_token_ids": True}),
+    "chat-stream": (CHAT, {"stream": True}),
+    "chat-stream-usage": (
+        CHAT,
+        {"stream": True, "stream_options": {"include_usage": True}},
+    ),
+    "chat-stream-continuous-usage": (
+        CHAT,
+        {
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    "chat-stream-token-ids": (CHAT, {"stream": True, "return_token_ids": True}),
+    # Refused.
+    "no-output": (COMPLETIONS, {"max_tokens": 0}),
+    "stream-no-output": (COMPLETIONS, {"stream": True, "max_tokens": 0}),
+    "negative-temperature": (COMPLETIONS, {"temperature": -1}),
+    "top-p-0": (CHAT, {"top_p": 0}),
+    "min-tokens-above-max-tokens": (CHAT, {"max_tokens": 2, "min_tokens": 3}),
+    "stream-options-without-stream": (
+        CHAT,
+        {"stream_options": {"include_usage": True}},
+    ),
+    "no-messages": (CHAT, {"messages": None}),
+    "unknown-model": (COMPLETIONS, {"model": "no-such-model"}),
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fake() -> AsyncIterator[str]:
+    config = EngineConfig(model=MODEL_NAME, max_model_len=512)
+    async with fake_engines(config) as (url,):
+        yield url
+
+
+def shape(value: Any) -> Any:
+    """``value`` with each leaf replaced by its JSON type, and each list by
+    its first item's shape (texts, token counts and ids differ)."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+async def answer(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, Any]:
+    """The status and the answer's shape: of the JSON body, or of a stream
+    as its first event, its last two and the set of all (vLLM may join the
+    chunks of several steps when its server falls behind)."""
+    async with http.post(url, json=body) as response:
+        text = await response.text()
+        status = response.status
+    if not (body.get("stream") and status == 200):
+        return status, shape(json.loads(text))
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    shapes = [e if e == "[DONE]" else shape(json.loads(e)) for e in events]
+    return status, (shapes[0], shapes[-2:], sorted(map(repr, shapes)))
+
+
+@pytest.mark.parametrize(("path", "fields"), BODIES.values(), ids=BODIES.keys())
+async def test_the_fake_engine_answers_in_vllms_shape(
+    http: aiohttp.ClientSession,
+    servers: Servers,
+    fake: str,
+    path: str,
+    fields: dict[str, Any],
+) -> None:
+    await servers.use({"producer": EngineSpec("producer")})
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0}
+    body.update({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT})
+    body.update(fields)
+    if body.get("messages") is None:
+        body.pop("messages", None)
+    want = await answer(http, servers.engine("producer").url + path, body)
+    got = await answer(http, fake + path, body)
+    assert got == want
