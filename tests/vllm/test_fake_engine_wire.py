@@ -33,46 +33,27 @@ CHAT = "/v1/chat/completions"
 PROMPT = "The quick brown fox jumps over the lazy dog, then it"
 MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 
+# Fields both routes take, the same way.
+SHARED: dict[str, dict[str, Any]] = {
+    "": {},
+    "-token-ids": {"return_token_ids": True},
+    "-stream": {"stream": True},
+    "-stream-usage": {"stream": True, "stream_options": {"include_usage": True}},
+    "-stream-continuous-usage": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    },
+    "-stream-token-ids": {"stream": True, "return_token_ids": True},
+}
 BODIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "completion": (COMPLETIONS, {}),
-    "completion-token-ids": (COMPLETIONS, {"return_token_ids": True}),
+    **{f"completion{name}": (COMPLETIONS, f) for name, f in SHARED.items()},
+    **{f"chat{name}": (CHAT, f) for name, f in SHARED.items()},
     "completion-echo": (COMPLETIONS, {"echo": True}),
     "completion-echo-token-ids": (
         COMPLETIONS,
         {"echo": True, "return_token_ids": True},
     ),
-    "completion-stream": (COMPLETIONS, {"stream": True}),
-    "completion-stream-usage": (
-        COMPLETIONS,
-        {"stream": True, "stream_options": {"include_usage": True}},
-    ),
-    "completion-stream-continuous-usage": (
-        COMPLETIONS,
-        {
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        },
-    ),
-    "completion-stream-token-ids": (
-        COMPLETIONS,
-        {"stream": True, "return_token_ids": True},
-    ),
     "completion-stream-echo": (COMPLETIONS, {"stream": True, "echo": True}),
-    "chat": (CHAT, {}),
-    "chat-token-ids": (CHAT, {"return_token_ids": True}),
-    "chat-stream": (CHAT, {"stream": True}),
-    "chat-stream-usage": (
-        CHAT,
-        {"stream": True, "stream_options": {"include_usage": True}},
-    ),
-    "chat-stream-continuous-usage": (
-        CHAT,
-        {
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        },
-    ),
-    "chat-stream-token-ids": (CHAT, {"stream": True, "return_token_ids": True}),
     # Refused.
     "no-output": (COMPLETIONS, {"max_tokens": 0}),
     "stream-no-output": (COMPLETIONS, {"stream": True, "max_tokens": 0}),
