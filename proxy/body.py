@@ -271,19 +271,21 @@ def _lax_bool(value: Any) -> bool:
         return False
 
 
-def streams_alike(req: ClientRequest, route: Route) -> bool:
-    """Whether a non-streaming request may be decoded as a stream.
+def computed_alone(req: ClientRequest, route: Route) -> bool:
+    """Whether vLLM reads no KV it did not compute for the request, and
+    answers it otherwise in a stream: prompt logprobs
+    (``wants_prompt_logprobs``; in its non-streaming reply only) or a beam
+    search (``uses_beam_search``; refused in a completions stream). Its
+    decode prefills it locally, and is not streamed for a non-streaming
+    client."""
+    return wants_prompt_logprobs(req, route) or uses_beam_search(req)
 
-    vLLM refuses ``stream_options`` without a stream (the client must see
-    that 400), and a completions beam search within one. Prompt logprobs
-    (``wants_prompt_logprobs``, ``prompt_logprobs: 0`` and ``echo`` included)
-    are in vLLM's non-streaming reply only.
-    """
-    return (
-        not req.obj.get("stream_options")
-        and not wants_prompt_logprobs(req, route)
-        and not uses_beam_search(req)
-    )
+
+def streams_alike(req: ClientRequest) -> bool:
+    """Whether a non-streaming request that is not ``computed_alone`` may be
+    decoded as a stream: vLLM refuses ``stream_options`` without a stream
+    (the client must see that 400)."""
+    return not req.obj.get("stream_options")
 
 
 def several_requests(req: ClientRequest, route: Route) -> bool:

@@ -36,6 +36,7 @@ from proxy.body import (
     ClientRequest,
     Route,
     check_decode_fields,
+    computed_alone,
     decode_body,
     kv_params_of,
     parse_request,
@@ -46,8 +47,6 @@ from proxy.body import (
     several_requests,
     stream_body,
     streams_alike,
-    uses_beam_search,
-    wants_prompt_logprobs,
 )
 from proxy.errors import error_event, error_response
 from proxy.idle import IdleTimeout
@@ -433,18 +432,16 @@ class Flow:
             or pools.decode.policy == "prefix_hash"
         ):
             req.key = prefix_key(req.body, req.route, cfg.routing.prefix_hash_bytes)
-        req.local_prefill = (
-            several_requests(req.body, req.route)
-            or wants_prompt_logprobs(req.body, req.route)
-            or uses_beam_search(req.body)
-        )
+        alone = computed_alone(req.body, req.route)
+        req.local_prefill = alone or several_requests(req.body, req.route)
         if not req.local_prefill:
             req.prefill_body = prefill_body(req.body)
         req.decode_raw = req.body.raw
         if (
             not req.body.stream
             and cfg.retry.non_stream_as_stream
-            and streams_alike(req.body, req.route)
+            and not alone
+            and streams_alike(req.body)
         ):
             req.assemble = True
             req.decode_raw = stream_body(req.body, cfg.retry.non_stream_interval)
