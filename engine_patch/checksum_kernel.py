@@ -295,6 +295,42 @@ def gathered_row_sums(
     return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
 
 
+def block_row_sums(
+    rows: torch.Tensor,
+    piece_weights: torch.Tensor,
+    head_weights: torch.Tensor,
+    positions: torch.Tensor,
+    spans: int,
+    dims: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """:func:`gathered_row_sums` of rows given block by block (``[blocks,
+    members, *row dims]``), weighed element by element and summed once per
+    block and span: the form a CPU's fused loop runs fastest.
+
+    Summing each cell's pieces first, as :func:`gathered_row_sums` does,
+    makes inductor's CPU loop reduce a vector register to one value every 16
+    pieces; one sum over a whole span accumulates in vector registers and
+    reduces once (about 10x faster on AVX-512, and 5-7x faster than the
+    eager numpy pass over 12 to 64 blocks).
+    """
+    _, tokens, heads, _ = dims
+    num_blocks, members = rows.shape[:2]
+    head_shape = [1] * rows.dim()
+    head_shape[1], head_shape[1 + heads] = members, head_weights.shape[1]
+    position_shape = [1] * rows.dim()
+    position_shape[0], position_shape[1 + tokens] = num_blocks, positions.shape[1]
+    weighted = (
+        mix(rows)
+        * piece_weights
+        * head_weights.reshape(head_shape)
+        * positions.reshape(position_shape)
+    )
+    by_span = list(weighted.shape)
+    by_span[1 + tokens : 2 + tokens] = [spans, by_span[1 + tokens] // spans]
+    summed = [dim for dim in range(1, len(by_span)) if dim != 1 + tokens]
+    return weighted.reshape(by_span).sum(dim=summed)
+
+
 def gathered_row_sums_(
     x: torch.Tensor,
     tmp: torch.Tensor,

@@ -1404,8 +1404,8 @@ class KVChecksumWorker:
                         try:
                             sums = kernel(
                                 np.ascontiguousarray(x),
-                                source.host_piece_weights,
-                                item.host_head_weights,
+                                source.piece_weights,
+                                item.head_weights,
                                 positions[first:end],
                             )
                         except Exception as e:  # The runner raises many kinds.

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,7 +254,7 @@ def test_a_kernel_that_differs_from_the_eager_pass_is_never_used(
     monkeypatch.setattr(checksum_kernel, "_compile_failed", False)
     run = aot_kernel.HostKernel.__call__
 
-    def off_by_one(self: aot_kernel.HostKernel, *args: np.ndarray) -> np.ndarray:
+    def off_by_one(self: aot_kernel.HostKernel, *args: Any) -> np.ndarray:
         return run(self, *args) + 1
 
     monkeypatch.setattr(aot_kernel.HostKernel, "__call__", off_by_one)
@@ -337,7 +338,7 @@ def test_a_kernel_that_fails_in_a_pass_is_not_run_again(
     assert worker.compiled
     calls = 0
 
-    def broken(self: aot_kernel.HostKernel, *args: np.ndarray) -> np.ndarray:
+    def broken(self: aot_kernel.HostKernel, *args: Any) -> np.ndarray:
         nonlocal calls
         calls += 1
         raise RuntimeError("the runner broke")
