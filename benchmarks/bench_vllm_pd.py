@@ -10,7 +10,10 @@ time, then all six up, so that every phase sees the same machine):
 - ``on+scheduler``: the same with KVGuard's scheduler class
   (``--scheduler-cls``: same-step verdicts);
 - ``on+scheduler+compiled`` (only if named in ``--phases``): the same with
-  the fused checksum kernel (``"compile": true``).
+  the fused checksum kernel (``"compile": true``);
+- ``on+scheduler+unchecked`` (only if named in ``--phases``): KVGuard's
+  connector and scheduler class with checksums off (``"enabled": false``):
+  what the wrapping costs without the checksums.
 
 After ``--warmup-rounds`` unmeasured rounds (so that every phase has seen
 every prompt length once: an engine's first prefill of a length is slow),
@@ -114,6 +117,11 @@ def phase_specs(phase: str) -> tuple[EngineSpec, EngineSpec]:
         specs = (
             EngineSpec("producer", compile=True),
             EngineSpec("consumer", compile=True),
+        )
+    elif phase == "on+scheduler+unchecked":
+        specs = (
+            EngineSpec("producer", checksums=False),
+            EngineSpec("consumer", checksums=False),
         )
     else:
         raise SystemExit(f"unknown phase {phase}")
