@@ -4,8 +4,10 @@ The proxy decodes a non-streaming request as a stream so that the decode's
 first token bounds a hung KV load (``timeouts.decode_first_token_s``), as it
 does for a client's stream. The client still gets one JSON reply: the chunks'
 deltas merged per choice, text concatenated, as vLLM's non-streaming reply
-carries them. Fields vLLM sends only outside a stream (``kv_transfer_params``,
-``prompt_logprobs`` and the like, null for a decode) are absent.
+carries them. Fields vLLM 0.32's JSON reply sets to null and its stream
+never sends (``kv_transfer_params``, ``service_tier``, a message's
+``refusal`` and the like) are added as null, so the reply has the keys a
+single vLLM's has.
 
 vLLM's completions stream carries the prompt's token ids in the first chunk
 for ``echo`` as well as for ``return_token_ids``; its non-streaming reply
@@ -23,6 +25,24 @@ _PIECES = frozenset(
 )
 
 _OBJECT = {"chat.completion.chunk": "chat.completion"}
+
+# Per reply object: the null fields vLLM 0.32 puts in a non-streaming reply
+# and leaves out of its stream's chunks, at the top, in each choice and in a
+# chat choice's message.
+_NULL_ONLY: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "text_completion": (
+        ("service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"),
+        ("prompt_logprobs", "routed_experts"),
+        (),
+    ),
+    "chat.completion": (
+        ("service_tier", "prompt_logprobs", "kv_transfer_params",
+         "ec_transfer_params", "metrics"),
+        ("routed_experts",),
+        ("refusal", "annotations", "audio", "function_call", "reasoning"),
+    ),
+}  # fmt: skip
+_USAGE_NULL_ONLY = ("prompt_tokens_details", "completion_tokens_details")
 
 
 class Assembler:
@@ -75,14 +95,29 @@ class Assembler:
         reply = dict(self._top)
         obj = reply.get("object")
         if isinstance(obj, str):
-            reply["object"] = _OBJECT.get(obj, obj)
+            obj = reply["object"] = _OBJECT.get(obj, obj)
         reply["choices"] = choices = [self._choices[i] for i in sorted(self._choices)]
         if not self._prompt_token_ids:
             for choice in choices:
                 if choice.get("prompt_token_ids") is not None:
                     choice["prompt_token_ids"] = None
+        null_only = _NULL_ONLY.get(obj) if isinstance(obj, str) else None
+        if null_only is not None:
+            top, per_choice, per_message = null_only
+            for key in top:
+                reply.setdefault(key, None)
+            for choice in choices:
+                for key in per_choice:
+                    choice.setdefault(key, None)
+                message = choice.get("message")
+                if isinstance(message, dict):
+                    for key in per_message:
+                        message.setdefault(key, None)
         if "usage" in reply:  # vLLM puts it after the choices
-            reply["usage"] = reply.pop("usage")
+            usage = reply["usage"] = reply.pop("usage")
+            if isinstance(usage, dict):
+                for key in _USAGE_NULL_ONLY:
+                    usage.setdefault(key, None)
         return reply
 
 

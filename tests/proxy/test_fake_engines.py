@@ -23,6 +23,7 @@ from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
 from fake_engine.testing import EngineSpec, fake_engines
 from proxy.testing import RunningProxy, running_proxy
 from tests.support.metrics import fetch_metric, metric
+from tests.support.shapes import shape
 
 PRODUCER = EngineSpec(role=Role.PRODUCER)
 # Decodes fail loads whose checksums mismatch (KVGuard's fail-closed mode).
@@ -501,6 +502,8 @@ async def test_assembled_non_stream_reply_matches_the_engines_own(fields):
                 assert resp.status == 200
                 got = await resp.json()
             assert want["usage"]["completion_tokens"] > 17  # three chunks or more
+            # The keys of the engine's own JSON reply, null ones included.
+            assert shape(got) == shape(want)
             assert got["object"] == want["object"]
             assert got["model"] == want["model"]
             assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]

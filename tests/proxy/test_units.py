@@ -700,7 +700,12 @@ def test_assembler_joins_completion_chunks_per_choice_with_usage():
     reply = a.result()
     assert reply["object"] == "text_completion"
     assert list(reply)[-1] == "usage"
-    assert reply["usage"] == {"prompt_tokens": 2, "completion_tokens": 4}
+    assert reply["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     first, second = reply["choices"]
     assert first == {
         "index": 0,
@@ -709,6 +714,8 @@ def test_assembler_joins_completion_chunks_per_choice_with_usage():
         "prompt_token_ids": [7, 8],
         "token_ids": [1, 4],
         "stop_reason": "zz",
+        "prompt_logprobs": None,
+        "routed_experts": None,
     }
     assert second["text"] == "Bb" and second["logprobs"] == {"tokens": ["B", "b"]}
     assert second["finish_reason"] == "length" and second["token_ids"] == [2, 3]
@@ -722,6 +729,48 @@ def test_assembler_keeps_prompt_token_ids_only_where_the_client_asked():
         a = Assembler(prompt_token_ids=asked)
         a.feed(chunk)
         assert a.result()["choices"][0]["prompt_token_ids"] == want
+
+
+def test_assembled_replies_carry_the_null_fields_only_vllms_json_has():
+    # vLLM 0.32's stream leaves them out; its JSON reply has them, as null.
+    for chunk, want in (
+        (
+            {"object": "text_completion", "choices": [{"index": 0, "text": "a"}]},
+            {"top": {"service_tier", "kv_transfer_params", "ec_transfer_params",
+                     "metrics"},
+             "choice": {"prompt_logprobs", "routed_experts"}, "message": set()},
+        ),
+        (
+            {"object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": {"content": "a"}}]},
+            {"top": {"service_tier", "prompt_logprobs", "kv_transfer_params",
+                     "ec_transfer_params", "metrics"},
+             "choice": {"routed_experts"},
+             "message": {"refusal", "annotations", "audio", "function_call",
+                         "reasoning"}},
+        ),
+    ):  # fmt: skip
+        a = Assembler()
+        a.feed(chunk)
+        a.feed({**chunk, "choices": [], "usage": {"prompt_tokens": 1}})
+        reply = a.result()
+        (choice,) = reply["choices"]
+        added = {
+            "top": {k for k, v in reply.items() if v is None},
+            "choice": {k for k, v in choice.items() if v is None},
+            "message": {k for k, v in choice.get("message", {}).items() if v is None},
+        }
+        assert added == want
+        assert reply["usage"] == {
+            "prompt_tokens": 1,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+        assert list(reply)[-1] == "usage"
+    # A value the stream sent is kept.
+    a = Assembler()
+    a.feed({"object": "text_completion", "service_tier": "default", "choices": []})
+    assert a.result()["service_tier"] == "default"
 
 
 def test_assembler_builds_a_chat_message_with_tool_calls():
@@ -757,6 +806,10 @@ def test_assembler_builds_a_chat_message_with_tool_calls():
         "role": "assistant",
         "content": "Hi",
         "reasoning": "thinking",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
         "tool_calls": [
             {
                 "index": 0,

@@ -21,6 +21,7 @@ from vllm_servers import EngineSpec, Servers
 
 from fake_engine.config import EngineConfig
 from fake_engine.testing import fake_engines
+from tests.support.shapes import shape
 
 pytestmark = [
     pytest.mark.vllm,
@@ -74,16 +75,6 @@ async def fake() -> AsyncIterator[str]:
     config = EngineConfig(model=MODEL_NAME, max_model_len=512)
     async with fake_engines(config) as (url,):
         yield url
-
-
-def shape(value: Any) -> Any:
-    """``value`` with each leaf replaced by its JSON type, and each list by
-    its first item's shape (texts, token counts and ids differ)."""
-    if isinstance(value, dict):
-        return {key: shape(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [shape(value[0])] if value else []
-    return type(value).__name__
 
 
 async def answer(

@@ -487,17 +487,20 @@ WHOLE_ANSWERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # Differ from call to call.
 VOLATILE = frozenset({"id", "created"})
+# A field one answer lacks.
+ABSENT = "<absent>"
 
 
 def _unlike(want: Any, got: Any, path: str = "") -> list[str]:
     """Where ``got`` differs from ``want``; a field absent from one and null
-    in the other is alike (the proxy leaves out what vLLM nulls outside a
-    stream, docs/wire.md)."""
+    in the other differs too."""
     if isinstance(want, dict) and isinstance(got, dict):
         return [
             line
             for key in sorted((set(want) | set(got)) - VOLATILE)
-            for line in _unlike(want.get(key), got.get(key), f"{path}.{key}")
+            for line in _unlike(
+                want.get(key, ABSENT), got.get(key, ABSENT), f"{path}.{key}"
+            )
         ]
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
         return [
