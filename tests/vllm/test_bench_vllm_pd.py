@@ -162,8 +162,17 @@ def test_combine_pools_the_rounds_of_several_runs(tmp_path: Path) -> None:
     summary = json.loads(paths[0].read_text())
     del summary["on+scheduler"]
     only_off.write_text(json.dumps(summary))
-    with pytest.raises(ValueError, match="other phases"):
+    with pytest.raises(ValueError, match="share no phase but off"):
         bench.combine([paths[0], only_off])
+    # Runs with other phases besides: those all of them measured.
+    summary = json.loads(paths[1].read_text())
+    summary["on+scheduler+unchecked"] = summary["on+scheduler"]
+    with_more = tmp_path / "with-more.json"
+    with_more.write_text(json.dumps(summary))
+    _, phases = bench.combine([with_more, paths[0]])
+    assert phases == ["off", "on+scheduler"]
+    _, phases = bench.combine([with_more, with_more])
+    assert phases == ["off", "on+scheduler", "on+scheduler+unchecked"]
 
 
 def test_every_round_sends_each_prompt_at_the_warm_up_rounds_token_count() -> None:
