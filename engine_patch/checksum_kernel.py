@@ -289,7 +289,8 @@ def gathered_row_sums(
     dims: tuple[int, int, int, int],
 ) -> torch.Tensor:
     """:func:`row_sums` of rows already gathered into ``x``, without
-    overwriting it: the function the fused kernels compile."""
+    overwriting it: the function ``torch.compile`` fuses for devices (a
+    CPU's AOTInductor package runs :func:`block_row_sums`)."""
     parts, tokens, heads, pieces = dims
     per_cell = (mix(x) * piece_weights).sum(dim=(parts, pieces))
     return _block_sums(per_cell, head_weights, positions, spans, tokens > heads)
