@@ -44,6 +44,7 @@ from engine_patch.aot_kernel import LOADED_FOR_A_SHAPE
 from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
 from engine_patch.payload import KVChecksumPayload
 from proxy.body import PREFILL_KV_PARAMS
+from tests.support.shapes import shape
 
 pytestmark = [
     pytest.mark.vllm,
@@ -529,6 +530,96 @@ async def test_whole_non_stream_answers_through_the_proxy_are_a_single_instances
         url = proxy_url(servers, mode) + path
         status, got = await post(http, url, body, f"{name}-{mode}")
         assert status == 200, got
+        if lines := _unlike(want, got):
+            differ[name] = "\n  ".join(lines)
+    assert not differ, "\n".join(f"{name}:\n  {why}" for name, why in differ.items())
+
+
+# Streaming bodies: path and fields beside the model, temperature 0 and
+# ``stream``.
+STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "plain": ("/v1/completions", {}),
+    "usage": ("/v1/completions", {"stream_options": {"include_usage": True}}),
+    "continuous-usage": (
+        "/v1/completions",
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ),
+    "logprobs": ("/v1/completions", {"logprobs": 2}),
+    "echo": ("/v1/completions", {"echo": True}),
+    "token-ids": ("/v1/completions", {"return_token_ids": True}),
+    "stop": ("/v1/completions", {"stop": ["e"], "include_stop_str_in_output": True}),
+    "interval": ("/v1/completions", {"stream_interval": 3}),
+    # Prefilled on the decode (docs/wire.md, "Several choices or prompts").
+    "choices": ("/v1/completions", {"n": 2, "temperature": 0.8, "seed": 1}),
+    "prompts": ("/v1/completions", {"prompt": [PROMPTS[3], PROMPTS[4]]}),
+    "chat": (CHAT, {}),
+    "chat-usage": (CHAT, {"stream_options": {"include_usage": True}}),
+    "chat-logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}),
+    "chat-token-ids": (CHAT, {"return_token_ids": True}),
+    "chat-json": (CHAT, {"response_format": {"type": "json_object"}}),
+}
+
+
+async def stream_of(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """A stream's status and what must match a single instance's: per
+    choice its joined text, token ids and logprobs, and its finish; the last
+    chunk's usage; the first event's shape, the last one's and the set of
+    all. Nothing depends on how many chunks carry the tokens (vLLM joins
+    several steps' chunks when its server falls behind), nor on the order in
+    which several choices finish."""
+    async with http.post(url, json=body) as response:
+        text = await response.text()
+        if response.status != 200:
+            return {"status": response.status, "body": text}
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]", events[-1:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            into = choices.setdefault(
+                choice["index"], {"text": "", "token_ids": [], "logprobs": {}}
+            )
+            delta = choice.get("delta", choice)
+            into["text"] += delta.get("text") or delta.get("content") or ""
+            into["token_ids"] += choice.get("token_ids") or []
+            # Completions: lists per token; chat: ``content``, a list.
+            for key, values in (choice.get("logprobs") or {}).items():
+                into["logprobs"].setdefault(key, []).extend(values or [])
+            for key in ("finish_reason", "stop_reason", "prompt_token_ids"):
+                if choice.get(key) is not None:
+                    into[key] = choice[key]
+    shapes = [json.dumps(shape(c), sort_keys=True) for c in chunks]
+    return {
+        "status": 200,
+        "choices": choices,
+        "usage": chunks[-1].get("usage"),
+        "first": shapes[0],
+        "last": shapes[-1],
+        "all": sorted(set(shapes)),
+    }
+
+
+async def test_streams_through_the_proxy_are_a_single_instances(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    differ = {}
+    for name, (path, fields) in STREAMS.items():
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        }
+        body.update(
+            {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPTS[3]}, **fields
+        )
+        want = await stream_of(http, servers.engine("producer").url + path, body)
+        assert want["status"] == 200, want
+        got = await stream_of(http, proxy_url(servers, mode) + path, body)
         if lines := _unlike(want, got):
             differ[name] = "\n  ".join(lines)
     assert not differ, "\n".join(f"{name}:\n  {why}" for name, why in differ.items())
