@@ -492,6 +492,15 @@ VOLATILE = frozenset({"id", "created"})
 ABSENT = "<absent>"
 
 
+def compared_body(path: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A body sent to a single instance and through the proxy: 8 greedy
+    tokens of one prompt (a chat's messages), then ``fields``."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
+    body.update({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPTS[3]})
+    body.update(fields)
+    return body
+
+
 def _unlike(want: Any, got: Any, path: str = "") -> list[str]:
     """Where ``got`` differs from ``want``; a field absent from one and null
     in the other differs too."""
@@ -520,10 +529,7 @@ async def test_whole_non_stream_answers_through_the_proxy_are_a_single_instances
     await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
     differ = {}
     for name, (path, fields) in WHOLE_ANSWERS.items():
-        body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
-        body.update(
-            {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPTS[3]}, **fields
-        )
+        body = compared_body(path, fields)
         url = servers.engine("producer").url + path
         status, want = await post(http, url, body, f"{name}-single")
         assert status == 200, want
@@ -608,15 +614,7 @@ async def test_streams_through_the_proxy_are_a_single_instances(
     await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
     differ = {}
     for name, (path, fields) in STREAMS.items():
-        body: dict[str, Any] = {
-            "model": MODEL_NAME,
-            "max_tokens": 8,
-            "temperature": 0,
-            "stream": True,
-        }
-        body.update(
-            {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPTS[3]}, **fields
-        )
+        body = compared_body(path, {"stream": True, **fields})
         want = await stream_of(http, servers.engine("producer").url + path, body)
         assert want["status"] == 200, want
         got = await stream_of(http, proxy_url(servers, mode) + path, body)
