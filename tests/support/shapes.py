@@ -1,4 +1,5 @@
-"""The shape of a JSON answer, for comparing answers whose texts differ."""
+"""Reading answers for comparison: a JSON answer's shape (its texts
+differ from engine to engine) and a stream's events."""
 
 from __future__ import annotations
 
@@ -13,3 +14,9 @@ def shape(value: Any) -> Any:
     if isinstance(value, list):
         return [shape(value[0])] if value else []
     return type(value).__name__
+
+
+def sse_data(raw: str) -> list[str]:
+    """The data of each event of a server-sent-events body, in order (the
+    final ``[DONE]`` included)."""
+    return [event.removeprefix("data: ") for event in raw.split("\n\n") if event]

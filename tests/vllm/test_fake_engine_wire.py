@@ -21,7 +21,7 @@ from vllm_servers import EngineSpec, Servers
 
 from fake_engine.config import EngineConfig
 from fake_engine.testing import fake_engines
-from tests.support.shapes import shape
+from tests.support.shapes import shape, sse_data
 
 pytestmark = [
     pytest.mark.vllm,
@@ -88,7 +88,7 @@ async def answer(
         status = response.status
     if not (body.get("stream") and status == 200):
         return status, shape(json.loads(text))
-    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    events = sse_data(text)
     shapes = [e if e == "[DONE]" else shape(json.loads(e)) for e in events]
     return status, (shapes[0], shapes[-2:], sorted(map(repr, shapes)))
 

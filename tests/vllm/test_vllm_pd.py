@@ -44,7 +44,7 @@ from engine_patch.aot_kernel import LOADED_FOR_A_SHAPE
 from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
 from engine_patch.payload import KVChecksumPayload
 from proxy.body import PREFILL_KV_PARAMS
-from tests.support.shapes import shape
+from tests.support.shapes import shape, sse_data
 
 pytestmark = [
     pytest.mark.vllm,
@@ -412,7 +412,7 @@ async def test_a_non_stream_answer_assembled_from_batched_chunks_is_a_single_ins
     async with http.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         raw = (await response.read()).decode()
-    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    events = sse_data(raw)
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     # As the fake engine batches them: the first at once, the last at the end.
     assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
@@ -579,7 +579,7 @@ async def stream_of(
         text = await response.text()
         if response.status != 200:
             return {"status": response.status, "body": text}
-    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    events = sse_data(text)
     assert events[-1] == "[DONE]", events[-1:]
     chunks = [json.loads(e) for e in events[:-1]]
     choices: dict[int, dict[str, Any]] = {}
