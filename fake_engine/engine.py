@@ -184,7 +184,10 @@ class Engine:
         )
         self.metrics = EngineMetrics(self.snapshot)
         self._requests: dict[str, EngineRequest] = {}
-        self._aliases: dict[str, str] = {}
+        # Every id a request answers to (the caller's, the response's), and
+        # the requests answering to it: a request of n choices or several
+        # prompts runs as several.
+        self._aliases: dict[str, list[str]] = {}
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._loading: dict[str, EngineRequest] = {}
@@ -273,7 +276,7 @@ class Engine:
             self.checksums.on_new_request(request)
         self._requests[request.request_id] = request
         for alias in (request.request_id, *request.aliases):
-            self._aliases[alias] = request.request_id
+            self._aliases.setdefault(alias, []).append(request.request_id)
         self._waiting.append(request)
         self._wake.set()
 
@@ -282,15 +285,15 @@ class Engine:
         ids; returns how many were found."""
         found = 0
         for alias in ids:
-            req_id = self._aliases.get(alias, alias)
-            if (request := self._requests.get(req_id)) is not None:
-                self._finish(request, FinishReason.ABORT)
-            elif req_id in self._leases:
-                self._release(req_id, "aborted")
-            else:
-                continue
-            found += 1
-            self.metrics.requests_aborted.inc()
+            for req_id in list(self._aliases.get(alias, (alias,))):
+                if (request := self._requests.get(req_id)) is not None:
+                    self._finish(request, FinishReason.ABORT)
+                elif req_id in self._leases:
+                    self._release(req_id, "aborted")
+                else:
+                    continue
+                found += 1
+                self.metrics.requests_aborted.inc()
         return found
 
     def configure_faults(self, fault: FaultConfig) -> None:
@@ -596,8 +599,11 @@ class Engine:
 
     def _drop_aliases(self, request: EngineRequest) -> None:
         for alias in (request.request_id, *request.aliases):
-            if self._aliases.get(alias) == request.request_id:
-                del self._aliases[alias]
+            ids = self._aliases.get(alias)
+            if ids is not None and request.request_id in ids:
+                ids.remove(request.request_id)
+                if not ids:
+                    del self._aliases[alias]
 
     def _producer_params(self, request: EngineRequest) -> dict[str, object]:
         """What NixlConnector's ``request_finished`` returns for a producer

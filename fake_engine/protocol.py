@@ -20,6 +20,8 @@ from engine_patch.log import get_logger
 logger = get_logger(__name__)
 
 _INT64_MIN = -(2**63)
+# Temperatures below it sample greedily (vLLM's SamplingParams).
+_SAMPLING_EPS = 1e-5
 _INT64_MAX = 2**63 - 1
 
 
@@ -158,15 +160,14 @@ class _GenerateRequest(_OpenAIModel):
         """Raises:
         RequestError: For what vLLM supports and this engine does not.
         """
-        if self.n not in (None, 1):
-            raise RequestError(
-                "n > 1 is not supported by the fake engine (its model is greedy).",
-                param="n",
-            )
         if self.use_beam_search:
             raise RequestError(
                 "Beam search is not supported by the fake engine.",
                 param="use_beam_search",
+            )
+        if self.num_choices < 1:
+            raise vllm_validation_error(
+                f"n must be at least 1, got {self.num_choices}."
             )
         self._check_sampling()
         if self.min_tokens < 0:
@@ -174,6 +175,18 @@ class _GenerateRequest(_OpenAIModel):
             raise vllm_validation_error(
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
+        # Checked after the ranges, as SamplingParams does.
+        greedy = self.temperature is not None and self.temperature < _SAMPLING_EPS
+        if greedy and self.num_choices > 1:
+            raise vllm_validation_error(
+                f"n must be 1 when using greedy sampling, got {self.num_choices}."
+            )
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt (``n``). Each is the fake model's one
+        continuation: it samples nothing."""
+        return 1 if self.n is None else self.n
 
     def _check_sampling(self) -> None:
         """The ranges vLLM's ``SamplingParams`` enforces on the values a
@@ -483,6 +496,8 @@ class ResponseBuilder:
     echo: str = ""
     echoes: bool = False
     system_fingerprint: str | None = None
+    # The choice's index: its prompt's times n, plus its own among the n.
+    index: int = 0
     # A stream's chunks all carry the time it started.
     created: int = field(default_factory=now)
 
@@ -522,7 +537,7 @@ class ResponseBuilder:
     ) -> dict[str, Any]:
         """The whole (non-streamed) response, created now."""
         ids = self.return_token_ids
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {
                 "role": "assistant",
@@ -565,7 +580,7 @@ class ResponseBuilder:
         chunk = self._head(self._chunk_object, self.created)
         chunk["choices"] = [
             {
-                "index": 0,
+                "index": self.index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
@@ -592,7 +607,7 @@ class ResponseBuilder:
         """A stream's chunk of new text (``first``: the stream's first),
         ``num_output`` tokens generated so far."""
         ids = self.return_token_ids
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
@@ -617,13 +632,15 @@ class ResponseBuilder:
             chunk["system_fingerprint"] = self.system_fingerprint
         return chunk
 
-    def usage_chunk(self, num_output: int) -> dict[str, Any] | None:
-        """A stream's closing usage chunk, if ``include_usage``."""
+    def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any] | None:
+        """A stream's closing usage chunk, if ``include_usage``: ``num_prompt``
+        tokens of all its prompts (each once, whatever n), ``num_output`` of
+        all its choices."""
         if not self.include_usage:
             return None
         chunk = self._head(self._chunk_object, self.created)
         chunk["choices"] = []
-        chunk["usage"] = stream_usage(len(self.prompt_token_ids), num_output)
+        chunk["usage"] = stream_usage(num_prompt, num_output)
         if self.system_fingerprint is not None:
             chunk["system_fingerprint"] = self.system_fingerprint
         return chunk

@@ -4,9 +4,12 @@ pull route consumers read a producer's blocks through."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -29,6 +32,7 @@ from fake_engine.protocol import (
     now,
     parse_request,
     system_fingerprint,
+    usage,
     validation_error,
     vllm_validation_error,
 )
@@ -96,6 +100,100 @@ def _joined(held: RequestOutput, out: RequestOutput) -> RequestOutput:
         out.error,
         out.kv_transfer_params,
     )
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its engine request and its builder."""
+
+    request: EngineRequest
+    builder: ResponseBuilder
+
+
+@dataclasses.dataclass
+class _ChoiceStream:
+    """What a stream has sent of one choice."""
+
+    builder: ResponseBuilder
+    first: bool = True
+    num_output: int = 0
+    held: RequestOutput | None = None
+
+    def chunk(self, out: RequestOutput, interval: int) -> dict[str, Any] | None:
+        """The chunk to send for ``out``, or None while it is held (or
+        shows nothing)."""
+        if self.held is not None:
+            out = _joined(self.held, out)
+            self.held = None
+        if (
+            interval > 1
+            and not out.finished
+            and self.num_output > 0
+            and len(out.token_ids) < interval
+        ):
+            self.held = out
+            return None
+        self.num_output += len(out.token_ids)
+        builder = self.builder
+        echoes = self.first and builder.echoes
+        if _shows_nothing(out, self.num_output, echoes=echoes):
+            return None
+        chunk = builder.chunk(
+            text=out.text,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            token_ids=out.token_ids,
+            first=self.first,
+            num_output=self.num_output,
+        )
+        self.first = False
+        return chunk
+
+
+async def _whole(request: EngineRequest) -> tuple[str, list[int], RequestOutput]:
+    """A request's whole text and tokens, and its last output."""
+    text: list[str] = []
+    token_ids: list[int] = []
+    while True:
+        out = await request.outputs.get()
+        text.append(out.text)
+        token_ids.extend(out.token_ids)
+        if out.finished:
+            return "".join(text), token_ids, out
+
+
+async def _merged(
+    requests: list[EngineRequest],
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """Every request's outputs, each with its request's index, as they come
+    (vLLM's ``merge_async_iterators``); a finished request's last."""
+    if len(requests) == 1:
+        (request,) = requests
+        while True:
+            out = await request.outputs.get()
+            yield 0, out
+            if out.finished:
+                return
+    merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def forward(index: int, request: EngineRequest) -> None:
+        while True:
+            out = await request.outputs.get()
+            merged.put_nowait((index, out))
+            if out.finished:
+                return
+
+    tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(requests)]
+    try:
+        unfinished = len(requests)
+        while unfinished:
+            index, out = await merged.get()
+            if out.finished:
+                unfinished -= 1
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _fingerprint(config: EngineConfig) -> str:
@@ -194,34 +292,44 @@ class EngineServer:
             body.check_supported()
             self._check_model(body.model)
             self._check_output_budget(body.max_tokens, "max_tokens")
-            prompt_ids = self._completion_prompt(body.prompt)
-            max_tokens = self._max_tokens(
-                len(prompt_ids),
-                body.max_tokens,
-                body.min_tokens,
-                from_text=isinstance(body.prompt, str),
-            )
+            prompts = [
+                (
+                    ids,
+                    self._max_tokens(
+                        len(ids), body.max_tokens, body.min_tokens, from_text=from_text
+                    ),
+                )
+                for ids, from_text in self._completion_prompts(body.prompt)
+            ]
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
         response_id = f"cmpl-{base}"
-        engine_request = self._engine_request(
-            f"{response_id}-0-{uuid.uuid4().hex[:8]}",
-            prompt_ids,
-            body,
-            max_tokens,
-            aliases=(base, response_id, f"{response_id}-0"),
-        )
-        # vLLM echoes the prompt's ids instead of its text where both are asked.
-        builder = self._builder(
-            body,
-            response_id,
-            prompt_ids,
-            echo=decode(prompt_ids) if body.echo and not body.return_token_ids else "",
-            echoes=bool(body.echo),
-        )
+        choices = []
+        for index, (prompt_ids, max_tokens) in enumerate(prompts):
+            # vLLM echoes the prompt's ids instead of its text where both are asked.
+            echo = decode(prompt_ids) if body.echo and not body.return_token_ids else ""
+            choices += self._choices(
+                f"{response_id}-{index}-{uuid.uuid4().hex[:8]}",
+                prompt_ids,
+                body,
+                max_tokens,
+                (base, response_id, f"{response_id}-{index}"),
+                self._builder(
+                    body,
+                    response_id,
+                    prompt_ids,
+                    echo=echo,
+                    echoes=bool(body.echo),
+                    index=index * body.num_choices,
+                ),
+            )
         return await self._respond(
-            request, engine_request, builder, bool(body.stream), body.stream_interval
+            request,
+            choices,
+            sum(len(prompt_ids) for prompt_ids, _ in prompts),
+            bool(body.stream),
+            body.stream_interval,
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -252,16 +360,16 @@ class EngineServer:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
         response_id = f"chatcmpl-{base}"
-        engine_request = self._engine_request(
+        choices = self._choices(
             f"{response_id}-{uuid.uuid4().hex[:8]}",
             prompt_ids,
             body,
             max_tokens,
-            aliases=(base, response_id),
+            (base, response_id),
+            self._builder(body, response_id, prompt_ids),
         )
-        builder = self._builder(body, response_id, prompt_ids)
         return await self._respond(
-            request, engine_request, builder, bool(body.stream), body.stream_interval
+            request, choices, len(prompt_ids), bool(body.stream), body.stream_interval
         )
 
     @property
@@ -398,37 +506,38 @@ class EngineServer:
             )
 
     @staticmethod
-    def _completion_prompt(prompt: Any) -> list[int]:
-        """Token ids of a completion's single prompt.
+    def _completion_prompts(prompt: Any) -> list[tuple[list[int], bool]]:
+        """Token ids of a completion's prompts, each with whether it was text.
 
         Raises:
-            RequestError: For several prompts or ids outside the vocabulary.
+            RequestError: For an empty prompt or ids outside the vocabulary.
 
         """
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) > 1:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        out = []
+        for one in prompts:
+            if isinstance(one, str):
+                ids = encode(one)
+                if not ids:  # vLLM's input processor refuses it before scheduling
+                    raise RequestError("The decoder prompt cannot be empty")
+                out.append((ids, True))
+                continue
+            ids = list(one)
+            if not ids:
                 raise RequestError(
-                    "Batched prompts are not supported by the fake engine.",
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
                     param="prompt",
                 )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = encode(prompt)
-            if not ids:  # vLLM's input processor refuses it before scheduling
-                raise RequestError("The decoder prompt cannot be empty")
-            return ids
-        ids = list(prompt)
-        if not ids:
-            raise RequestError(
-                "Either prompt or prompt_embeds must be provided and non-empty.",
-                param="prompt",
-            )
-        if ids and (largest := max(ids)) >= VOCAB_SIZE:
-            # vLLM's Renderer.validate_token_ids reports the largest id.
-            raise vllm_validation_error(
-                f"Token id {largest} is out of vocabulary", param="prompt"
-            )
-        return ids
+            if (largest := max(ids)) >= VOCAB_SIZE:
+                # vLLM's Renderer.validate_token_ids reports the largest id.
+                raise vllm_validation_error(
+                    f"Token id {largest} is out of vocabulary", param="prompt"
+                )
+            out.append((ids, False))
+        return out
 
     def _check_output_budget(self, requested: int | None, param: str) -> None:
         """Refuse an output budget above max_model_len, as vLLM's
@@ -531,8 +640,10 @@ class EngineServer:
         *,
         echo: str = "",
         echoes: bool = False,
+        index: int = 0,
     ) -> ResponseBuilder:
-        """The response's builder, in the request's API (chat or completions)."""
+        """The builder of a choice (``index``) of the response, in the
+        request's API (chat or completions)."""
         return ResponseBuilder(
             chat=isinstance(body, ChatCompletionRequest),
             response_id=response_id,
@@ -544,12 +655,43 @@ class EngineServer:
             echo=echo,
             echoes=echoes,
             system_fingerprint=self.system_fingerprint,
+            index=index,
         )
 
-    def _submit(self, engine_request: EngineRequest) -> RequestError | None:
+    def _choices(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        aliases: tuple[str, ...],
+        builder: ResponseBuilder,
+    ) -> list[_Choice]:
+        """The ``n`` choices of one prompt, each an engine request (named as
+        vLLM names parallel sampling's children) with its builder."""
+        n = body.num_choices
+        if n == 1:
+            engine_request = self._engine_request(
+                request_id, prompt_ids, body, max_tokens, aliases
+            )
+            return [_Choice(engine_request, builder)]
+        return [
+            _Choice(
+                self._engine_request(
+                    f"{i}_{request_id}", prompt_ids, body, max_tokens, aliases
+                ),
+                dataclasses.replace(builder, index=builder.index + i),
+            )
+            for i in range(n)
+        ]
+
+    def _submit(self, choices: list[_Choice]) -> RequestError | None:
+        """Add every choice's request to the engine, or none."""
         try:
-            self.engine.add_request(engine_request)
+            for choice in choices:
+                self.engine.add_request(choice.request)
         except EngineStoppedError as e:
+            self._abort_unfinished(choices)
             return RequestError(
                 str(e),
                 err_type="ServiceUnavailableError",
@@ -557,121 +699,112 @@ class EngineServer:
             )
         return None
 
+    def _abort_unfinished(self, choices: list[_Choice]) -> None:
+        unfinished = [c.request.request_id for c in choices if not c.request.finished]
+        if unfinished:
+            self.engine.abort(unfinished)
+
     async def _respond(
         self,
         request: web.Request,
-        engine_request: EngineRequest,
-        builder: ResponseBuilder,
+        choices: list[_Choice],
+        num_prompt: int,
         stream: bool,
         stream_interval: int | None = None,
     ) -> web.StreamResponse:
-        """Run the request on the engine and answer it, whole or streamed
-        (``stream_interval`` tokens a chunk, as vLLM batches them)."""
-        if stream:
-            return await self._stream_response(
-                request, engine_request, builder, stream_interval or 1
-            )
-        return await self._full_response(engine_request, builder)
+        """Run the choices' requests on the engine and answer them, whole or
+        streamed (``stream_interval`` tokens a chunk, as vLLM batches them);
+        ``num_prompt`` counts the tokens of all prompts once."""
+        if (error := self._submit(choices)) is not None:
+            return error_response(error)
+        try:
+            if stream:
+                return await self._stream_response(
+                    request, choices, num_prompt, stream_interval or 1
+                )
+            return await self._full_response(choices, num_prompt)
+        finally:
+            self._abort_unfinished(choices)
 
     async def _full_response(
-        self, engine_request: EngineRequest, builder: ResponseBuilder
+        self, choices: list[_Choice], num_prompt: int
     ) -> web.Response:
-        if (error := self._submit(engine_request)) is not None:
-            return error_response(error)
-        text: list[str] = []
-        token_ids: list[int] = []
-        try:
-            while True:
-                out = await engine_request.outputs.get()
-                text.append(out.text)
-                token_ids.extend(out.token_ids)
-                if out.finished:
-                    break
-        finally:
-            if not engine_request.finished:
-                self.engine.abort([engine_request.request_id])
-        if out.finish_reason == "error":
-            return error_response(
-                RequestError(
-                    out.error or "Internal server error",
-                    err_type="InternalServerError",
-                    status=HTTPStatus.INTERNAL_SERVER_ERROR,
+        outputs = await asyncio.gather(*(_whole(c.request) for c in choices))
+        for _, _, out in outputs:
+            if out.finish_reason == "error":
+                return error_response(
+                    RequestError(
+                        out.error or "Internal server error",
+                        err_type="InternalServerError",
+                        status=HTTPStatus.INTERNAL_SERVER_ERROR,
+                    )
                 )
-            )
-        return json_response(
-            builder.response(
-                text="".join(text),
+        bodies = [
+            choice.builder.response(
+                text=text,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
                 token_ids=token_ids,
                 kv_transfer_params=out.kv_transfer_params,
             )
-        )
+            for choice, (text, token_ids, out) in zip(choices, outputs, strict=True)
+        ]
+        body = bodies[0]
+        if len(bodies) > 1:
+            body["choices"] = [b["choices"][0] for b in bodies]
+            body["usage"] = usage(
+                num_prompt, sum(len(token_ids) for _, token_ids, _ in outputs)
+            )
+        return json_response(body)
 
     async def _stream_response(
         self,
         request: web.Request,
-        engine_request: EngineRequest,
-        builder: ResponseBuilder,
+        choices: list[_Choice],
+        num_prompt: int,
         interval: int,
     ) -> web.StreamResponse:
-        """The request's SSE stream. With ``interval`` > 1 its outputs are
-        held until that many tokens are pending, as vLLM's output processor
-        holds them: the first and the last are sent at once."""
-        if (error := self._submit(engine_request)) is not None:
-            return error_response(error)
+        """The SSE stream of the choices' outputs, in the order the engine
+        makes them. With ``interval`` > 1 a choice's outputs are held until
+        that many tokens are pending, as vLLM's output processor holds them:
+        its first and its last are sent at once."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8"}
         )
+        streams = [_ChoiceStream(c.builder) for c in choices]
+        unfinished = len(streams)
         try:
             await response.prepare(request)
-            first = True
-            num_output = 0
-            held: RequestOutput | None = None
-            role_chunk = builder.role_chunk()
-            while True:
-                out = await engine_request.outputs.get()
-                if role_chunk is not None:
-                    await response.write(_sse(role_chunk))
-                    role_chunk = None
-                if out.finish_reason == "error":
-                    status = HTTPStatus.INTERNAL_SERVER_ERROR
-                    message = out.error or "Internal server error"
-                    body = error_body(message, "InternalServerError", status)
-                    await response.write(_sse(body))
-                    break
-                if held is not None:
-                    out = _joined(held, out)
-                    held = None
-                if (
-                    interval > 1
-                    and not out.finished
-                    and num_output > 0
-                    and len(out.token_ids) < interval
-                ):
-                    held = out
-                    continue
-                num_output += len(out.token_ids)
-                if not _shows_nothing(out, num_output, echoes=first and builder.echoes):
-                    chunk = builder.chunk(
-                        text=out.text,
-                        finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
-                        token_ids=out.token_ids,
-                        first=first,
-                        num_output=num_output,
-                    )
-                    await response.write(_sse(chunk))
-                    first = False
-                if out.finished:
-                    if (usage := builder.usage_chunk(num_output)) is not None:
-                        await response.write(_sse(usage))
-                    break
+            role_chunks = [c.builder.role_chunk() for c in choices]
+            outputs = _merged([c.request for c in choices])
+            async with contextlib.aclosing(outputs):
+                async for index, out in outputs:
+                    for role_chunk in role_chunks:
+                        if role_chunk is not None:
+                            await response.write(_sse(role_chunk))
+                    role_chunks = []
+                    if out.finish_reason == "error":
+                        status = HTTPStatus.INTERNAL_SERVER_ERROR
+                        message = out.error or "Internal server error"
+                        body = error_body(message, "InternalServerError", status)
+                        await response.write(_sse(body))
+                        break
+                    if (chunk := streams[index].chunk(out, interval)) is not None:
+                        await response.write(_sse(chunk))
+                    if out.finished:
+                        unfinished -= 1
+                        if not unfinished:
+                            num_output = sum(s.num_output for s in streams)
+                            usage_chunk = choices[0].builder.usage_chunk(
+                                num_prompt, num_output
+                            )
+                            if usage_chunk is not None:
+                                await response.write(_sse(usage_chunk))
+                            break
             await response.write(_DONE)
             await response.write_eof()
         except ConnectionResetError:
-            logger.info("Client of request %s went away.", engine_request.request_id)
-        finally:
-            if not engine_request.finished:
-                self.engine.abort([engine_request.request_id])
+            logger.info(
+                "Client of request %s went away.", choices[0].request.request_id
+            )
         return response
