@@ -576,3 +576,54 @@ async def test_faulty_instance_alone_on_its_side_is_ejected_and_its_partners_are
         if metric(metrics, "kvguard_proxy_ejections_total", instance=url)
     }
     assert ejected == {bad_url}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        ("/v1/completions", {"n": 2, "temperature": 0.8}),
+        ("/v1/completions", {"prompt": PROMPTS[:2]}),
+        ("/v1/chat/completions", {"n": 2, "temperature": 0.8}),
+    ],
+    ids=["choices", "prompts", "chat-choices"],
+)
+async def test_choices_and_prompts_through_the_proxy_equal_a_monolithic_engine(
+    route: str, fields: dict[str, Any], stream: bool
+):
+    # The proxy runs these on a decode alone (its prefill's KV could be
+    # pulled once): the decode's answer comes back as it is.
+    payload = {**body(route, PROMPTS[3], stream, 6), **fields}
+    async with (
+        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
+        running_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        answers = []
+        for url in (mono, px.url):
+            async with s.post(url + route, json=payload) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            answers.append(_choice_texts(raw, stream))
+        sent = await fetch_metric(s, p, "kvguard_kv_checksum_sent_total")
+    assert answers[0] == answers[1]
+    assert len(answers[0]) == 2 and all(answers[0].values())
+    assert sent == 0  # no prefill ran
+
+
+def _choice_texts(raw: bytes, stream: bool) -> dict[int, str]:
+    """Each choice's text, by index, of a whole answer or a stream."""
+    if not stream:
+        return {
+            c["index"]: c["text"] if "text" in c else c["message"]["content"]
+            for c in msgspec.json.decode(raw)["choices"]
+        }
+    texts: dict[int, str] = {}
+    for event in raw.decode().split("\n\n"):
+        data = event.removeprefix("data: ")
+        if not data or data == "[DONE]":
+            continue
+        for c in msgspec.json.decode(data)["choices"]:
+            piece = c["text"] if "text" in c else c["delta"].get("content", "")
+            texts[c["index"]] = texts.get(c["index"], "") + piece
+    return texts

@@ -33,6 +33,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 PROMPT = "The quick brown fox jumps over the lazy dog, then it"
 MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
+OTHER_PROMPT = "Foxes live in"
+SAMPLED_PAIR = {"n": 2, "temperature": 0.8, "seed": 1}
 
 # Fields both routes take, the same way.
 SHARED: dict[str, dict[str, Any]] = {
@@ -55,6 +57,23 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"echo": True, "return_token_ids": True},
     ),
     "completion-stream-echo": (COMPLETIONS, {"stream": True, "echo": True}),
+    # Several choices, several prompts: a request of each runs as several.
+    "completion-choices": (COMPLETIONS, SAMPLED_PAIR),
+    "completion-stream-choices": (
+        COMPLETIONS,
+        {**SAMPLED_PAIR, "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    "completion-prompts": (COMPLETIONS, {"prompt": [PROMPT, OTHER_PROMPT]}),
+    "completion-stream-prompts": (
+        COMPLETIONS,
+        {
+            "prompt": [PROMPT, OTHER_PROMPT],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    "chat-choices": (CHAT, SAMPLED_PAIR),
+    "chat-stream-choices": (CHAT, {**SAMPLED_PAIR, "stream": True}),
     # Refused.
     "no-output": (COMPLETIONS, {"max_tokens": 0}),
     "stream-no-output": (COMPLETIONS, {"stream": True, "max_tokens": 0}),
@@ -67,6 +86,8 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "no-messages": (CHAT, {"messages": None}),
     "unknown-model": (COMPLETIONS, {"model": "no-such-model"}),
+    "greedy-choices": (COMPLETIONS, {"n": 2}),
+    "no-choices": (CHAT, {"n": 0}),
 }
 
 
