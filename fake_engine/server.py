@@ -459,10 +459,15 @@ class EngineServer:
             headers={"Content-Type": "application/octet-stream"}
         )
         response.content_length = sum(len(part) for part in parts)
-        await response.prepare(request)
-        for part in parts:
-            await response.write(part)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            for part in parts:
+                await response.write(part)
+            await response.write_eof()
+        except ConnectionResetError:
+            # The consumer gave the load up meanwhile (its KV was released
+            # as pulled once gathered): nothing is wrong with this engine.
+            logger.info("Consumer of request %s went away mid-pull.", pull.request_id)
         return response
 
     # Helpers.

@@ -5,13 +5,19 @@ ends — read from /metrics — and a stopped engine lets the others go on."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from unittest import mock
 
 import aiohttp
 import pytest
+from aiohttp import ClientConnectionResetError, StreamReader
+from aiohttp.test_utils import make_mocked_request
 from fake_engine_helpers import COMPLETIONS, completion_body, metric, post, prefill
 
 from fake_engine.config import Role
+from fake_engine.request import RemoteSource
 from fake_engine.testing import EngineSpec, fake_engines
+from fake_engine.transfer import PULL_PATH, PullRequest, encode_pull_request
 
 HELD = "kvguard_kv_blocks_held"
 ABORT = "/inference/v1/abort_requests"
@@ -110,3 +116,31 @@ async def test_a_prefill_waiting_for_blocks_runs_once_held_kv_is_dropped(
         )
         assert status == 200
         assert (await asyncio.wait_for(second, 5))["remote_num_tokens"] == 70
+
+
+async def test_a_consumer_gone_before_its_pull_is_answered_is_no_error(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A consumer that gave the load up (its request was aborted) has closed
+    # the connection by the time the producer answers: aiohttp then refuses
+    # the answer's first write.
+    async with fake_engines(EngineSpec(role=Role.PRODUCER)) as urls:
+        params = await prefill(session, urls[0], COMPLETIONS, completion_body())
+        source = RemoteSource.from_params(params)
+        assert source is not None
+        body = encode_pull_request(
+            PullRequest(source.engine_id, source.request_id, source.block_ids)
+        )
+        payload = StreamReader(mock.Mock(), 2**16, loop=asyncio.get_running_loop())
+        payload.feed_data(body)
+        payload.feed_eof()
+        writer = mock.Mock()
+        writer.write_headers = mock.AsyncMock(
+            side_effect=ClientConnectionResetError("Cannot write to closing transport")
+        )
+        request = make_mocked_request("POST", PULL_PATH, payload=payload, writer=writer)
+        await urls.servers[0].pull(request)
+        held = await metric(session, urls[0], HELD)
+    assert held == 0  # released as pulled once gathered
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
