@@ -48,7 +48,7 @@ from fake_engine.config import (
 from fake_engine.faults import Fault, FaultInjector
 from fake_engine.kv_cache import BlockPool, KVCacheManager, token_slots
 from fake_engine.metrics import EngineMetrics, EngineSnapshot
-from fake_engine.model import FakeModel
+from fake_engine.model import FakeModel, TokenLogprob
 from fake_engine.request import (
     FINISH_REASON_TEXT,
     EngineRequest,
@@ -146,7 +146,8 @@ class _Step:
 
 @dataclass
 class _StepResult:
-    sampled: dict[str, int]
+    # Per request: its sampled token and, if asked for, its logprobs.
+    sampled: dict[str, tuple[int, list[TokenLogprob] | None]]
     records: list[KVChecksumRecord]
 
 
@@ -469,7 +470,9 @@ class Engine:
         records = [r for w in self.workers if (r := w.take_record()) is not None]
         return _StepResult(sampled, records)
 
-    def _forward(self, items: list[_Scheduled]) -> dict[str, int]:
+    def _forward(
+        self, items: list[_Scheduled]
+    ) -> dict[str, tuple[int, list[TokenLogprob] | None]]:
         """The model's forward over every scheduled request at once: write
         their new tokens' KV, read back the KV each has not read yet, fold
         it into its digest, and choose next tokens."""
@@ -492,15 +495,21 @@ class Engine:
                 digests[(head, worker.replica_index)] = per_head[:, column]
         token_digests = self.model.combine_heads(digests, self.config.head_replicas)
         added = self.model.fold(token_digests, positions, sequences, len(items))
-        sampled = {}
+        sampled: dict[str, tuple[int, list[TokenLogprob] | None]] = {}
         for item, value in zip(items, added, strict=True):
             request = item.request
             request.digest = (request.digest + value) & MASK64
             request.num_digested = item.end
             if item.samples:
-                sampled[request.request_id] = self.model.next_token(
+                token = self.model.next_token(
                     request.digest, item.end, allow_eos=item.allow_eos
                 )
+                logprobs = None
+                if (count := request.sampling.logprobs) is not None:
+                    logprobs = self.model.logprobs(
+                        request.digest, item.end, allow_eos=item.allow_eos, count=count
+                    )
+                sampled[request.request_id] = token, logprobs
         return sampled
 
     def _update(self, step: _Step, result: _StepResult) -> None:
@@ -535,17 +544,27 @@ class Engine:
                 self._waiting.appendleft(request)
         for item in step.scheduled:
             request = item.request
-            token = result.sampled.get(request.request_id)
-            if request.finished or token is None:
+            sample = result.sampled.get(request.request_id)
+            if request.finished or sample is None:
                 continue
+            token, token_logprobs = sample
+            logprobs = None if token_logprobs is None else [token_logprobs]
             reason, stop_reason = request.append_token(token, self.config.max_model_len)
             if reason is not None:
                 self._finish(
-                    request, reason, stop_reason=stop_reason, token_ids=[token]
+                    request,
+                    reason,
+                    stop_reason=stop_reason,
+                    token_ids=[token],
+                    logprobs=logprobs,
                 )
             else:
                 request.outputs.put_nowait(
-                    RequestOutput([token], request.take_text(finished=False))
+                    RequestOutput(
+                        [token],
+                        request.take_text(finished=False),
+                        logprobs=logprobs,
+                    )
                 )
         if self._waiting or self._running or self._finished_loads:
             self._wake.set()
@@ -557,10 +576,11 @@ class Engine:
         *,
         stop_reason: int | str | None = None,
         token_ids: list[int] | None = None,
+        logprobs: list[list[TokenLogprob]] | None = None,
         error: str | None = None,
     ) -> None:
         """Finish a request: send its KV (a producer), free or hold its
-        blocks, and give its last output."""
+        blocks, and give its last output (``token_ids``, with ``logprobs``)."""
         if request.finished:
             return
         req_id = request.request_id
@@ -594,6 +614,7 @@ class Engine:
                 stop_reason=stop_reason,
                 error=error,
                 kv_transfer_params=params,
+                logprobs=logprobs,
             )
         )
 

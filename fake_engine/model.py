@@ -12,7 +12,9 @@ block size of the engine that computed it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -32,9 +34,43 @@ _REPLICA_FACTOR = 0x9E3779B97F4A7C15
 # Tokens per pass when generating KV, to bound temporaries.
 _KV_CHUNK_TOKENS = 256
 
+# Log probabilities: the token a position's value picks has probability in
+# [0.5, 0.95); the rest of the mass halves from one other token to the next.
+_DISTINCT_TOKENS = len(set(_ALPHABET))
+# How many of a position's likeliest tokens a prompt token is looked for
+# among; one further down gets a rank past them.
+_PROMPT_RANKS = 21
+
 _C_PREFIX = 0xD6E8FEB86659FD93
 _C_VALUE = 0xA0761D6478BD642F
 _C_POSITION = 0xE7037ED1A0B428DB
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log probability at a position, and its rank there (1: the
+    likeliest), as vLLM's ``Logprob``."""
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
+def _likeliest(value: int, first: int, count: int) -> list[TokenLogprob]:
+    """The ``count`` likeliest tokens of the position whose value is
+    ``value``, ``first`` (the one it picks) first."""
+    p_first = 0.5 + 0.45 * ((value >> 20) & 0xFFFF) / 65536
+    out = [TokenLogprob(first, math.log(p_first), 1)]
+    seen = {first}
+    rest = 1.0 - p_first
+    other = 0
+    while len(out) < min(count, _DISTINCT_TOKENS):
+        other += 1
+        token = _ALPHABET[(mix(value ^ splitmix64(other)) >> 8) % len(_ALPHABET)]
+        if token not in seen:
+            seen.add(token)
+            rest /= 2
+            out.append(TokenLogprob(token, math.log(rest), len(out) + 1))
+    return out
 
 
 def _signed(value: int) -> int:
@@ -170,3 +206,36 @@ class FakeModel:
         if allow_eos and value % _EOS_ODDS == 0:
             return EOS_TOKEN_ID
         return _ALPHABET[(value >> 8) % len(_ALPHABET)]
+
+    def logprobs(
+        self, digest: int, position: int, *, allow_eos: bool, count: int
+    ) -> list[TokenLogprob]:
+        """The token :meth:`next_token` picks and the next likeliest, ``count``
+        in all (at least 1), best first: what vLLM returns for a sampled
+        token when ``count`` top logprobs are asked (the pick is rank 1)."""
+        value = mix(digest ^ splitmix64(position))
+        chosen = self.next_token(digest, position, allow_eos=allow_eos)
+        return _likeliest(value, chosen, max(1, count))
+
+    def prompt_logprobs(
+        self, token_ids: list[int], count: int
+    ) -> list[list[TokenLogprob] | None]:
+        """Per prompt token, its log probability and rank given the tokens
+        before it, then the ``count`` likeliest tokens there (it only once):
+        vLLM's prompt logprobs, None for the first token. A function of the
+        prompt's prefix hashes, not of KV: a prompt is scored where it is
+        computed."""
+        hashes = self.prefix_hashes(token_ids, None)
+        out: list[list[TokenLogprob] | None] = [None] if token_ids else []
+        for position in range(1, len(token_ids)):
+            value = mix(hashes[position - 1] ^ splitmix64(position))
+            picked = _ALPHABET[(value >> 8) % len(_ALPHABET)]
+            likeliest = _likeliest(value, picked, _PROMPT_RANKS)
+            token = token_ids[position]
+            entry = next((e for e in likeliest if e.token_id == token), None)
+            if entry is None:
+                below = 1 + mix(value ^ token) % 100
+                floor = likeliest[-1].logprob - below * math.log(2)
+                entry = TokenLogprob(token, floor, len(likeliest) + below)
+            out.append([entry, *(e for e in likeliest[:count] if e.token_id != token)])
+        return out

@@ -16,6 +16,8 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_patch.log import get_logger
+from fake_engine.model import TokenLogprob
+from fake_engine.tokenizer import VOCAB_SIZE, decode
 
 logger = get_logger(__name__)
 
@@ -118,6 +120,26 @@ def _check_stream_options(data: Any) -> Any:
     return data
 
 
+def _check_prompt_logprobs(data: dict[str, Any]) -> None:
+    """vLLM's checks of ``prompt_logprobs`` before validation."""
+    if (prompt_logprobs := data.get("prompt_logprobs")) is not None:
+        if data.get("stream") and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise vllm_validation_error(
+                "`prompt_logprobs` are not available when `stream=True`.",
+                param="prompt_logprobs",
+            )
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise vllm_validation_error(
+                "`prompt_logprobs` must be a positive value or -1.",
+                param="prompt_logprobs",
+                value=prompt_logprobs,
+            )
+
+
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for.
+MAX_LOGPROBS = 20
+
+
 class _GenerateRequest(_OpenAIModel):
     """Fields completions and chat share. Sampling fields the deterministic
     model does not use (temperature, top_p, seed, ...) are accepted within
@@ -141,6 +163,9 @@ class _GenerateRequest(_OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     use_beam_search: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: Any = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = []
@@ -165,6 +190,11 @@ class _GenerateRequest(_OpenAIModel):
                 "Beam search is not supported by the fake engine.",
                 param="use_beam_search",
             )
+        for name in ("logprob_token_ids", "prompt_logprob_token_ids"):
+            if getattr(self, name) is not None:
+                raise RequestError(
+                    f"`{name}` is not supported by the fake engine.", param=name
+                )
         if self.num_choices < 1:
             raise vllm_validation_error(
                 f"n must be at least 1, got {self.num_choices}."
@@ -175,12 +205,38 @@ class _GenerateRequest(_OpenAIModel):
             raise vllm_validation_error(
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
+        # As vLLM's input processor checks them, -1 meaning the vocabulary.
+        for name, count in (
+            ("logprobs", self.sample_logprobs),
+            ("prompt_logprobs", self.num_prompt_logprobs),
+        ):
+            if count is not None and (count == -1 or count > MAX_LOGPROBS):
+                count = VOCAB_SIZE if count == -1 else count
+                kind = "sample" if name == "logprobs" else "prompt"
+                raise vllm_validation_error(
+                    f"Requested {kind} logprobs of {count}, which is greater "
+                    f"than max allowed: {MAX_LOGPROBS}",
+                    param=name,
+                    value=count,
+                )
         # Checked after the ranges, as SamplingParams does.
         greedy = self.temperature is not None and self.temperature < _SAMPLING_EPS
         if greedy and self.num_choices > 1:
             raise vllm_validation_error(
                 f"n must be 1 when using greedy sampling, got {self.num_choices}."
             )
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        """Top logprobs to return with each generated token; None: no
+        logprobs."""
+        raise NotImplementedError
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs to return with each prompt token; None: no prompt
+        logprobs."""
+        raise NotImplementedError
 
     @property
     def num_choices(self) -> int:
@@ -269,13 +325,33 @@ class CompletionRequest(_GenerateRequest):
     echo: bool | None = False
     max_tokens: int | None = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     suffix: str | None = None
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # An echo's text comes with its prompt's logprobs.
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @model_validator(mode="before")
     @classmethod
     def _normalize(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        _check_prompt_logprobs(data)
+        logprobs = data.get("logprobs")
+        if isinstance(logprobs, int) and logprobs < 0 and logprobs != -1:
+            raise vllm_validation_error(
+                "`logprobs` must be a positive value or -1.",
+                param="logprobs",
+                value=logprobs,
+            )
         if data.get("max_tokens") is None:
             data = {**data, "max_tokens": 16}
         prompt = data.get("prompt")
@@ -300,11 +376,50 @@ class ChatCompletionRequest(_GenerateRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs
+        return self.prompt_logprobs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _logprobs(cls, data: Any) -> Any:
+        """vLLM's ``check_logprobs``, in its order and words."""
+        if not isinstance(data, dict):
+            return data
+        for name in ("prompt_logprobs", "top_logprobs"):
+            value = data.get(name)
+            if value is not None and not isinstance(value, (int, float)):
+                raise vllm_validation_error(
+                    f"`{name}` must be an integer.", param=name, value=value
+                )
+        _check_prompt_logprobs(data)
+        if (top_logprobs := data.get("top_logprobs")) is not None:
+            if top_logprobs < 0 and top_logprobs != -1:
+                raise vllm_validation_error(
+                    "`top_logprobs` must be a positive value or -1.",
+                    param="top_logprobs",
+                    value=top_logprobs,
+                )
+            if (top_logprobs == -1 or top_logprobs > 0) and not data.get("logprobs"):
+                raise vllm_validation_error(
+                    "when using `top_logprobs`, `logprobs` must be set to true.",
+                    param="top_logprobs",
+                )
+        return data
 
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -472,6 +587,105 @@ def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
+# A token's logprob as vLLM's JSON carries it (-inf would not be JSON).
+_MIN_LOGPROB = -9999.0
+
+
+def _token_text(token_id: int, as_id: bool = False) -> str:
+    """A token as vLLM's logprobs name it: its decoded text, or with
+    ``as_id`` (``return_tokens_as_token_ids``) its id."""
+    if as_id:
+        return f"token_id:{token_id}"
+    return decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[list[TokenLogprob] | None],
+    text_offset: int = 0,
+    as_ids: bool = False,
+) -> dict[str, Any]:
+    """vLLM's ``CompletionLogProbs`` of ``token_ids`` (a prompt's first has
+    none), offsets counted from ``text_offset``; tokens named by id with
+    ``as_ids``."""
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top: list[dict[str, float] | None] = []
+    offset = text_offset
+    for token_id, entries in zip(token_ids, logprobs, strict=True):
+        token = _token_text(token_id, as_ids)
+        offsets.append(offset)
+        offset += len(token)
+        tokens.append(token)
+        if entries is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(max(entries[0].logprob, _MIN_LOGPROB))
+        top.append(
+            {
+                _token_text(e.token_id, as_ids): max(e.logprob, _MIN_LOGPROB)
+                for e in entries
+            }
+        )
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int],
+    logprobs: list[list[TokenLogprob]],
+    top: int,
+    as_ids: bool = False,
+) -> dict[str, Any]:
+    """vLLM's ``ChatCompletionLogProbs`` of ``token_ids``, ``top`` of each
+    one's likeliest tokens listed; tokens named by id with ``as_ids``."""
+    content = []
+    for token_id, entries in zip(token_ids, logprobs, strict=True):
+        token = _token_text(token_id, as_ids)
+        content.append(
+            {
+                "token": token,
+                "logprob": max(entries[0].logprob, _MIN_LOGPROB),
+                "bytes": list(token.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {
+                        "token": (text := _token_text(e.token_id, as_ids)),
+                        "logprob": max(e.logprob, _MIN_LOGPROB),
+                        "bytes": list(text.encode("utf-8", errors="replace")),
+                    }
+                    for e in entries[:top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def prompt_logprobs_json(
+    logprobs: list[list[TokenLogprob] | None],
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its
+    logprob, rank and text, then the likeliest others', by token id."""
+    return [
+        None
+        if entries is None
+        else {
+            str(e.token_id): {
+                "logprob": max(e.logprob, _MIN_LOGPROB),
+                "rank": e.rank,
+                "decoded_token": _token_text(e.token_id),
+            }
+            for e in entries
+        }
+        for entries in logprobs
+    ]
+
+
 @dataclass(frozen=True)
 class ResponseBuilder:
     """Every body of one request's answer as vLLM's ``/v1/completions``
@@ -498,6 +712,13 @@ class ResponseBuilder:
     system_fingerprint: str | None = None
     # The choice's index: its prompt's times n, plus its own among the n.
     index: int = 0
+    # Logprobs asked for: top ones per generated token (None: none), and
+    # the prompt's (``FakeModel.prompt_logprobs``), for an echo's tokens and
+    # the ``prompt_logprobs`` field.
+    logprobs: int | None = None
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    # Logprobs name tokens by id (``return_tokens_as_token_ids``).
+    tokens_as_ids: bool = False
     # A stream's chunks all carry the time it started.
     created: int = field(default_factory=now)
 
@@ -534,8 +755,10 @@ class ResponseBuilder:
         stop_reason: int | str | None,
         token_ids: list[int],
         kv_transfer_params: dict[str, Any] | None,
+        logprobs: list[list[TokenLogprob]] | None = None,
     ) -> dict[str, Any]:
-        """The whole (non-streamed) response, created now."""
+        """The whole (non-streamed) response, created now; ``logprobs`` per
+        token of ``token_ids`` where asked for."""
         ids = self.return_token_ids
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
@@ -548,15 +771,19 @@ class ResponseBuilder:
                 "function_call": None,
                 "reasoning": None,
             }
-            choice["logprobs"] = None
         else:
             choice["text"] = self.echo + text
-            choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(token_ids, logprobs, echo=True)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = stop_reason
         choice["token_ids"] = token_ids if ids else None
+        prompt_logprobs = (
+            None
+            if self.prompt_logprobs is None
+            else prompt_logprobs_json(self.prompt_logprobs)
+        )
         if not self.chat:
-            choice["prompt_logprobs"] = None
+            choice["prompt_logprobs"] = prompt_logprobs
             choice["prompt_token_ids"] = self.prompt_token_ids if ids else None
         choice["routed_experts"] = None
         body = self._head(self._object, now())
@@ -565,13 +792,37 @@ class ResponseBuilder:
         body["system_fingerprint"] = self.system_fingerprint
         body["usage"] = usage(len(self.prompt_token_ids), len(token_ids))
         if self.chat:
-            body["prompt_logprobs"] = None
+            body["prompt_logprobs"] = prompt_logprobs
             body["prompt_token_ids"] = self.prompt_token_ids if ids else None
             body["prompt_text"] = None
         body["kv_transfer_params"] = kv_transfer_params
         body["ec_transfer_params"] = None
         body["metrics"] = None
         return body
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[list[TokenLogprob]] | None,
+        *,
+        echo: bool,
+        text_offset: int = 0,
+    ) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` of ``token_ids`` (after the prompt's, for a
+        completions echo, with ``echo``), None where not asked for."""
+        if self.logprobs is None or logprobs is None:
+            return None
+        as_ids = self.tokens_as_ids
+        if self.chat:
+            return chat_logprobs(token_ids, logprobs, self.logprobs, as_ids)
+        if echo and self.echoes and self.prompt_logprobs is not None:
+            return completion_logprobs(
+                [*self.prompt_token_ids, *token_ids],
+                [*self.prompt_logprobs, *logprobs],
+                text_offset,
+                as_ids,
+            )
+        return completion_logprobs(token_ids, list(logprobs), text_offset, as_ids)
 
     def role_chunk(self) -> dict[str, Any] | None:
         """A chat stream's first chunk, naming the role; None for completions."""
@@ -603,16 +854,21 @@ class ResponseBuilder:
         token_ids: list[int],
         first: bool,
         num_output: int,
+        logprobs: list[list[TokenLogprob]] | None = None,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
         """A stream's chunk of new text (``first``: the stream's first),
-        ``num_output`` tokens generated so far."""
+        ``num_output`` tokens generated so far; ``logprobs`` per token of
+        ``token_ids``, a completion's text offsets from ``text_offset``."""
         ids = self.return_token_ids
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = (self.echo if first else "") + text
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(
+            token_ids, logprobs, echo=first, text_offset=text_offset
+        )
         choice["finish_reason"] = finish_reason
         if self.chat:
             if finish_reason is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_patch.host import FinishReason
+from fake_engine.model import TokenLogprob
 from fake_engine.tokenizer import EOS_TOKEN_ID, decode
 
 # Text of finish reasons in responses, as vLLM writes them.
@@ -39,6 +40,8 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Top logprobs to return with each generated token; None: no logprobs.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # Per token of ``token_ids``, with ``SamplingOptions.logprobs``: its log
+    # probability first, then the likeliest others'.
+    logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -92,6 +92,9 @@ def _shows_nothing(out: RequestOutput, num_output: int, *, echoes: bool) -> bool
 def _joined(held: RequestOutput, out: RequestOutput) -> RequestOutput:
     """``out`` with the tokens and text of ``held``, an output not yet sent,
     before its own."""
+    logprobs = None
+    if held.logprobs is not None and out.logprobs is not None:
+        logprobs = held.logprobs + out.logprobs
     return RequestOutput(
         held.token_ids + out.token_ids,
         held.text + out.text,
@@ -99,6 +102,7 @@ def _joined(held: RequestOutput, out: RequestOutput) -> RequestOutput:
         out.stop_reason,
         out.error,
         out.kv_transfer_params,
+        logprobs,
     )
 
 
@@ -118,6 +122,8 @@ class _ChoiceStream:
     first: bool = True
     num_output: int = 0
     held: RequestOutput | None = None
+    # Where the next chunk's logprobs' text offsets start (completions).
+    text_offset: int = 0
 
     def chunk(self, out: RequestOutput, interval: int) -> dict[str, Any] | None:
         """The chunk to send for ``out``, or None while it is held (or
@@ -145,21 +151,23 @@ class _ChoiceStream:
             token_ids=out.token_ids,
             first=self.first,
             num_output=self.num_output,
+            logprobs=out.logprobs,
+            text_offset=self.text_offset,
         )
         self.first = False
+        logprobs = chunk["choices"][0]["logprobs"]
+        if logprobs is not None and logprobs.get("tokens"):
+            self.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return chunk
 
 
-async def _whole(request: EngineRequest) -> tuple[str, list[int], RequestOutput]:
-    """A request's whole text and tokens, and its last output."""
-    text: list[str] = []
-    token_ids: list[int] = []
-    while True:
-        out = await request.outputs.get()
-        text.append(out.text)
-        token_ids.extend(out.token_ids)
-        if out.finished:
-            return "".join(text), token_ids, out
+async def _whole(request: EngineRequest) -> RequestOutput:
+    """All of a request's outputs joined into one: its text, tokens and
+    logprobs, and how it finished."""
+    whole = await request.outputs.get()
+    while not whole.finished:
+        whole = _joined(whole, await request.outputs.get())
+    return whole
 
 
 async def _merged(
@@ -632,6 +640,7 @@ class EngineServer:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                logprobs=body.sample_logprobs,
             ),
             kv_transfer_params=dict(params) if params is not None else None,
             aliases=aliases,
@@ -649,6 +658,9 @@ class EngineServer:
     ) -> ResponseBuilder:
         """The builder of a choice (``index``) of the response, in the
         request's API (chat or completions)."""
+        prompt_logprobs = None
+        if (count := body.num_prompt_logprobs) is not None:
+            prompt_logprobs = self.engine.model.prompt_logprobs(prompt_ids, count)
         return ResponseBuilder(
             chat=isinstance(body, ChatCompletionRequest),
             response_id=response_id,
@@ -661,6 +673,9 @@ class EngineServer:
             echoes=echoes,
             system_fingerprint=self.system_fingerprint,
             index=index,
+            logprobs=body.sample_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
         )
 
     def _choices(
@@ -735,7 +750,7 @@ class EngineServer:
         self, choices: list[_Choice], num_prompt: int
     ) -> web.Response:
         outputs = await asyncio.gather(*(_whole(c.request) for c in choices))
-        for _, _, out in outputs:
+        for out in outputs:
             if out.finish_reason == "error":
                 return error_response(
                     RequestError(
@@ -746,19 +761,20 @@ class EngineServer:
                 )
         bodies = [
             choice.builder.response(
-                text=text,
+                text=out.text,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
-                token_ids=token_ids,
+                token_ids=out.token_ids,
                 kv_transfer_params=out.kv_transfer_params,
+                logprobs=out.logprobs,
             )
-            for choice, (text, token_ids, out) in zip(choices, outputs, strict=True)
+            for choice, out in zip(choices, outputs, strict=True)
         ]
         body = bodies[0]
         if len(bodies) > 1:
             body["choices"] = [b["choices"][0] for b in bodies]
             body["usage"] = usage(
-                num_prompt, sum(len(token_ids) for _, token_ids, _ in outputs)
+                num_prompt, sum(len(out.token_ids) for out in outputs)
             )
         return json_response(body)
 
