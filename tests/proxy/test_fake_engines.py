@@ -627,3 +627,39 @@ def _choice_texts(raw: bytes, stream: bool) -> dict[int, str]:
             piece = c["text"] if "text" in c else c["delta"].get("content", "")
             texts[c["index"]] = texts.get(c["index"], "") + piece
     return texts
+
+
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        ("/v1/completions", {"logprobs": 2}),
+        ("/v1/completions", {"logprobs": 1, "echo": True}),
+        ("/v1/completions", {"prompt_logprobs": 1}),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}),
+        ("/v1/chat/completions", {"prompt_logprobs": 2}),
+    ],
+    ids=["logprobs", "echo-logprobs", "prompt-logprobs", "chat", "chat-prompt"],
+)
+async def test_logprobs_through_the_proxy_equal_a_monolithic_engines(
+    route: str, fields: dict[str, Any]
+):
+    # A whole answer is assembled from the decode's stream (or, for prompt
+    # logprobs, which vLLM does not stream, asked for whole).
+    payload = {**body(route, PROMPTS[5], False, 20), **fields}
+    async with (
+        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
+        running_proxy(make_config([p], [d])) as px,
+        aiohttp.ClientSession() as s,
+    ):
+        answers = []
+        for url in (mono, px.url):
+            async with s.post(url + route, json=payload) as resp:
+                assert resp.status == 200
+                answers.append(await resp.json())
+    want, got = answers
+    for key in ("logprobs", "prompt_logprobs"):
+        assert got["choices"][0].get(key) == want["choices"][0].get(key), key
+    assert got.get("prompt_logprobs") == want.get("prompt_logprobs")
+    assert want["choices"][0]["logprobs"] or want["choices"][0].get(
+        "prompt_logprobs", want.get("prompt_logprobs")
+    )

@@ -21,7 +21,7 @@ from vllm_servers import EngineSpec, Servers
 
 from fake_engine.config import EngineConfig
 from fake_engine.testing import fake_engines
-from tests.support.shapes import shape, sse_data
+from tests.support.shapes import filled, shape, sse_data
 
 pytestmark = [
     pytest.mark.vllm,
@@ -74,6 +74,26 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "chat-choices": (CHAT, SAMPLED_PAIR),
     "chat-stream-choices": (CHAT, {**SAMPLED_PAIR, "stream": True}),
+    # Logprobs: of each token, of the prompt's.
+    "completion-logprobs": (COMPLETIONS, {"logprobs": 2}),
+    "completion-stream-logprobs": (COMPLETIONS, {"stream": True, "logprobs": 2}),
+    "completion-echo-logprobs": (COMPLETIONS, {"echo": True, "logprobs": 1}),
+    "completion-stream-echo-logprobs": (
+        COMPLETIONS,
+        {"stream": True, "echo": True, "logprobs": 0},
+    ),
+    "completion-prompt-logprobs": (COMPLETIONS, {"prompt_logprobs": 1}),
+    "chat-logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}),
+    "chat-stream-logprobs": (CHAT, {"stream": True, "logprobs": True}),
+    "chat-prompt-logprobs": (CHAT, {"prompt_logprobs": 2}),
+    "completion-logprobs-as-ids": (
+        COMPLETIONS,
+        {"logprobs": 1, "return_tokens_as_token_ids": True},
+    ),
+    "chat-stream-logprobs-as-ids": (
+        CHAT,
+        {"stream": True, "logprobs": True, "return_tokens_as_token_ids": True},
+    ),
     # Refused.
     "no-output": (COMPLETIONS, {"max_tokens": 0}),
     "stream-no-output": (COMPLETIONS, {"stream": True, "max_tokens": 0}),
@@ -87,6 +107,11 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "no-messages": (CHAT, {"messages": None}),
     "unknown-model": (COMPLETIONS, {"model": "no-such-model"}),
     "greedy-choices": (COMPLETIONS, {"n": 2}),
+    "too-many-logprobs": (COMPLETIONS, {"logprobs": 21}),
+    "all-prompt-logprobs": (CHAT, {"prompt_logprobs": -1}),
+    "negative-logprobs": (COMPLETIONS, {"logprobs": -2}),
+    "top-logprobs-without-logprobs": (CHAT, {"top_logprobs": 2}),
+    "stream-prompt-logprobs": (COMPLETIONS, {"stream": True, "prompt_logprobs": 1}),
     "no-choices": (CHAT, {"n": 0}),
 }
 
@@ -111,6 +136,9 @@ async def answer(
         return status, shape(json.loads(text))
     events = sse_data(text)
     shapes = [e if e == "[DONE]" else shape(json.loads(e)) for e in events]
+    # A token whose text is empty has no bytes: its event's shape is
+    # completed from the others'.
+    shapes = [filled(s, shapes) for s in shapes]
     return status, (shapes[0], shapes[-2:], sorted(map(repr, shapes)))
 
 
