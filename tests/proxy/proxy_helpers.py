@@ -388,6 +388,25 @@ def make_config(
     )
 
 
+def body(route: str, prompt: str, stream: bool, max_tokens: int = 8) -> dict[str, Any]:
+    """A completions or chat request for ``prompt``."""
+    if route == "/v1/completions":
+        return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def text_of(route: str, reply: dict[str, Any]) -> str:
+    """The first choice's text of a whole completions or chat answer."""
+    choice = reply["choices"][0]
+    return str(
+        choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+    )
+
+
 async def read_sse(resp: aiohttp.ClientResponse) -> tuple[str, list[Any]]:
     """(concatenated text, list of error objects) of an SSE completion stream."""
     text = []

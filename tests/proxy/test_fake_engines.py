@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from proxy_helpers import make_config, read_sse
+from proxy_helpers import body, make_config, read_sse, text_of
 
 pytest.importorskip("torch")
 
@@ -31,23 +31,6 @@ CONSUMER = EngineSpec(role=Role.CONSUMER, fail_closed=True)
 MONOLITH = EngineSpec(role=Role.BOTH)
 CORRUPTING = FaultConfig(fault=FaultKind.BITFLIP, side=FaultSide.PRODUCER, rate=1.0)
 PROMPTS = [f"Request {i}: tell me about block {i * 7} of the cache" for i in range(20)]
-
-
-def body(route: str, prompt: str, stream: bool, max_tokens: int = 8) -> dict[str, Any]:
-    if route == "/v1/completions":
-        return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
-    return {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
-
-
-def text_of(route: str, reply: dict[str, Any]) -> str:
-    choice = reply["choices"][0]
-    return (
-        choice["text"] if route == "/v1/completions" else choice["message"]["content"]
-    )
 
 
 async def answer(
@@ -594,6 +577,18 @@ async def test_choices_and_prompts_through_the_proxy_equal_a_monolithic_engine(
     # The proxy runs these on a decode alone (its prefill's KV could be
     # pulled once): the decode's answer comes back as it is.
     payload = {**body(route, PROMPTS[3], stream, 6), **fields}
+    alone, through, sent = await alone_and_through_the_proxy(route, payload)
+    want = _choice_texts(alone, stream)
+    assert _choice_texts(through, stream) == want
+    assert len(want) == 2 and all(want.values())
+    assert sent == 0  # no prefill ran
+
+
+async def alone_and_through_the_proxy(
+    route: str, payload: dict[str, Any]
+) -> tuple[bytes, bytes, float]:
+    """A monolithic engine's answer to ``payload``, the proxy's in front of
+    a prefill and a decode, and the checksums that prefill sent."""
     async with (
         fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
         running_proxy(make_config([p], [d])) as px,
@@ -603,12 +598,9 @@ async def test_choices_and_prompts_through_the_proxy_equal_a_monolithic_engine(
         for url in (mono, px.url):
             async with s.post(url + route, json=payload) as resp:
                 assert resp.status == 200
-                raw = await resp.read()
-            answers.append(_choice_texts(raw, stream))
+                answers.append(await resp.read())
         sent = await fetch_metric(s, p, "kvguard_kv_checksum_sent_total")
-    assert answers[0] == answers[1]
-    assert len(answers[0]) == 2 and all(answers[0].values())
-    assert sent == 0  # no prefill ran
+    return answers[0], answers[1], sent
 
 
 def _choice_texts(raw: bytes, stream: bool) -> dict[int, str]:
@@ -646,17 +638,9 @@ async def test_logprobs_through_the_proxy_equal_a_monolithic_engines(
     # A whole answer is assembled from the decode's stream (or, for prompt
     # logprobs, which vLLM does not stream, asked for whole).
     payload = {**body(route, PROMPTS[5], False, 20), **fields}
-    async with (
-        fake_engines(PRODUCER, CONSUMER, MONOLITH) as (p, d, mono),
-        running_proxy(make_config([p], [d])) as px,
-        aiohttp.ClientSession() as s,
-    ):
-        answers = []
-        for url in (mono, px.url):
-            async with s.post(url + route, json=payload) as resp:
-                assert resp.status == 200
-                answers.append(await resp.json())
-    want, got = answers
+    want, got = map(
+        msgspec.json.decode, (await alone_and_through_the_proxy(route, payload))[:2]
+    )
     for key in ("logprobs", "prompt_logprobs"):
         assert got["choices"][0].get(key) == want["choices"][0].get(key), key
     assert got.get("prompt_logprobs") == want.get("prompt_logprobs")

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxy_helpers import make_config, read_sse
+from proxy_helpers import body, make_config, read_sse, text_of
 
 pytest.importorskip("torch")
 
@@ -41,23 +41,6 @@ MAX_ATTEMPTS, MAX_UNSERVED = 6, 3
 
 def _fault(kind: FaultKind, side: FaultSide, rate: float) -> FaultConfig:
     return FaultConfig(fault=kind, side=side, rate=rate, delay_s=0.05)
-
-
-def _body(route: str, prompt: str, stream: bool, max_tokens: int) -> dict[str, Any]:
-    if route == "/v1/completions":
-        return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
-    return {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
-
-
-def _text(route: str, reply: dict[str, Any]) -> str:
-    choice = reply["choices"][0]
-    if route == "/v1/completions":
-        return str(choice["text"])
-    return str(choice["message"]["content"])
 
 
 PRODUCER, CONSUMER = FaultSide.PRODUCER, FaultSide.CONSUMER
@@ -102,23 +85,25 @@ async def test_mixed_faults_and_departing_clients_never_get_bad_kv_or_leave_kv_h
             for route in ROUTES:
                 for prompt in PROMPTS:
                     async with s.post(
-                        mono + route, json=_body(route, prompt, False, 8)
+                        mono + route, json=body(route, prompt, False, 8)
                     ) as resp:
-                        want[route, prompt] = _text(route, await resp.json())
+                        want[route, prompt] = text_of(route, await resp.json())
 
             async def one(client: aiohttp.ClientSession) -> None:
                 route, prompt = rng.choice(ROUTES), rng.choice(PROMPTS)
                 stream, leave = rng.random() < 0.5, rng.random()
-                body = _body(route, prompt, stream, 8)
+                payload = body(route, prompt, stream, 8)
                 if leave < 0.05:  # gone before any answer
-                    task = asyncio.create_task(client.post(px.url + route, json=body))
+                    task = asyncio.create_task(
+                        client.post(px.url + route, json=payload)
+                    )
                     await asyncio.sleep(rng.random() * 0.05)
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         (await task).close()
                     outcomes["left"] += 1
                     return
-                async with client.post(px.url + route, json=body) as resp:
+                async with client.post(px.url + route, json=payload) as resp:
                     if stream and leave < 0.1 and resp.status == 200:
                         await resp.content.readuntil(b"\n\n")
                         resp.close()  # gone mid-stream
@@ -134,7 +119,7 @@ async def test_mixed_faults_and_departing_clients_never_get_bad_kv_or_leave_kv_h
                             outcomes["unserved"] += 1
                             return
                         errors = [] if resp.status == 200 else [reply]
-                        text = _text(route, reply) if resp.status == 200 else ""
+                        text = text_of(route, reply) if resp.status == 200 else ""
                 if errors or text != want[route, prompt]:
                     wrong.append((route, stream, resp.status, errors, text))
                 else:
