@@ -501,13 +501,14 @@ class Engine:
             request.digest = (request.digest + value) & MASK64
             request.num_digested = item.end
             if item.samples:
+                digest = request.digest ^ request.seed
                 token = self.model.next_token(
-                    request.digest, item.end, allow_eos=item.allow_eos
+                    digest, item.end, allow_eos=item.allow_eos
                 )
                 logprobs = None
                 if (count := request.sampling.logprobs) is not None:
                     logprobs = self.model.logprobs(
-                        request.digest, item.end, allow_eos=item.allow_eos, count=count
+                        digest, item.end, allow_eos=item.allow_eos, count=count
                     )
                 sampled[request.request_id] = token, logprobs
         return sampled

@@ -110,6 +110,9 @@ class EngineRequest:
     aliases: tuple[str, ...] = ()
     # Token span of one entry of ``block_hashes`` (the engine's block size).
     hash_block_size: int = 16
+    # Mixed into every pick (0: none), so that the choices of one prompt
+    # differ as sampled ones would; a pick stays a function of the KV.
+    seed: int = 0
     # Set by the engine.
     is_producer: bool = False
     remote: RemoteSource | None = None

@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine_patch.hashing import splitmix64
 from engine_patch.log import get_logger
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
@@ -627,11 +628,13 @@ class EngineServer:
         body: CompletionRequest | ChatCompletionRequest,
         max_tokens: int,
         aliases: tuple[str, ...],
+        seed: int = 0,
     ) -> EngineRequest:
         params = body.kv_transfer_params
         return EngineRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
+            seed=seed,
             sampling=SamplingOptions(
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
@@ -688,7 +691,9 @@ class EngineServer:
         builder: ResponseBuilder,
     ) -> list[_Choice]:
         """The ``n`` choices of one prompt, each an engine request (named as
-        vLLM names parallel sampling's children) with its builder."""
+        vLLM names parallel sampling's children) with its builder. The first
+        is the model's plain continuation; each other has a seed of its
+        own, so that its text differs as a sampled one would."""
         n = body.num_choices
         if n == 1:
             engine_request = self._engine_request(
@@ -698,7 +703,12 @@ class EngineServer:
         return [
             _Choice(
                 self._engine_request(
-                    f"{i}_{request_id}", prompt_ids, body, max_tokens, aliases
+                    f"{i}_{request_id}",
+                    prompt_ids,
+                    body,
+                    max_tokens,
+                    aliases,
+                    seed=splitmix64(i) if i else 0,
                 ),
                 dataclasses.replace(builder, index=builder.index + i),
             )

@@ -580,7 +580,7 @@ async def test_choices_and_prompts_through_the_proxy_equal_a_monolithic_engine(
     alone, through, sent = await alone_and_through_the_proxy(route, payload)
     want = _choice_texts(alone, stream)
     assert _choice_texts(through, stream) == want
-    assert len(want) == 2 and all(want.values())
+    assert len(set(want.values())) == 2 and all(want.values())
     assert sent == 0  # no prefill ran
 
 
