@@ -163,6 +163,7 @@ class _GenerateRequest(_OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     return_tokens_as_token_ids: bool | None = None
     logprob_token_ids: list[int] | None = None
     prompt_logprob_token_ids: Any = None
@@ -182,14 +183,12 @@ class _GenerateRequest(_OpenAIModel):
         return _check_stream_options(data)
 
     def check_supported(self) -> None:
-        """Raises:
-        RequestError: For what vLLM supports and this engine does not.
+        """vLLM's checks of the values it validates once the body parses, and
+        a refusal of what this engine does not support.
+
+        Raises:
+            RequestError: For the first value vLLM or this engine refuses.
         """
-        if self.use_beam_search:
-            raise RequestError(
-                "Beam search is not supported by the fake engine.",
-                param="use_beam_search",
-            )
         for name in ("logprob_token_ids", "prompt_logprob_token_ids"):
             if getattr(self, name) is not None:
                 raise RequestError(
@@ -219,6 +218,16 @@ class _GenerateRequest(_OpenAIModel):
                     param=name,
                     value=count,
                 )
+        if self.use_beam_search:
+            # Each step asks for twice the width in logprobs.
+            if (count := 2 * self.num_choices) > MAX_LOGPROBS:
+                raise vllm_validation_error(
+                    f"Requested sample logprobs of {count}, which is greater "
+                    f"than max allowed: {MAX_LOGPROBS}",
+                    param="logprobs",
+                    value=count,
+                )
+            return
         # Checked after the ranges, as SamplingParams does.
         greedy = self.temperature is not None and self.temperature < _SAMPLING_EPS
         if greedy and self.num_choices > 1:
@@ -344,6 +353,16 @@ class CompletionRequest(_GenerateRequest):
     def _normalize(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if (
+            data.get("use_beam_search")
+            and data.get("echo")
+            and data.get("logprobs") is not None
+        ):
+            raise vllm_validation_error(
+                "`echo` with `logprobs` is not supported with beam search "
+                "because beam search does not compute prompt logprobs.",
+                param="echo",
+            )
         _check_prompt_logprobs(data)
         logprobs = data.get("logprobs")
         if isinstance(logprobs, int) and logprobs < 0 and logprobs != -1:
@@ -599,19 +618,27 @@ def _token_text(token_id: int, as_id: bool = False) -> str:
     return decode([token_id], skip_special_tokens=False)
 
 
+def _own(token_id: int, entries: list[TokenLogprob]) -> TokenLogprob:
+    """``token_id``'s entry among a position's logprobs: the first, unless a
+    beam chose another of them."""
+    return next((e for e in entries if e.token_id == token_id), entries[0])
+
+
 def completion_logprobs(
     token_ids: list[int],
     logprobs: list[list[TokenLogprob] | None],
     text_offset: int = 0,
     as_ids: bool = False,
+    top: int | None = None,
 ) -> dict[str, Any]:
     """vLLM's ``CompletionLogProbs`` of ``token_ids`` (a prompt's first has
     none), offsets counted from ``text_offset``; tokens named by id with
-    ``as_ids``."""
+    ``as_ids``; with ``top``, at most ``top`` + 1 of each position's
+    likeliest tokens listed, as vLLM lists them."""
     offsets: list[int] = []
     token_logprobs: list[float | None] = []
     tokens: list[str] = []
-    top: list[dict[str, float] | None] = []
+    tops: list[dict[str, float] | None] = []
     offset = text_offset
     for token_id, entries in zip(token_ids, logprobs, strict=True):
         token = _token_text(token_id, as_ids)
@@ -620,20 +647,21 @@ def completion_logprobs(
         tokens.append(token)
         if entries is None:
             token_logprobs.append(None)
-            top.append(None)
+            tops.append(None)
             continue
-        token_logprobs.append(max(entries[0].logprob, _MIN_LOGPROB))
-        top.append(
+        token_logprobs.append(max(_own(token_id, entries).logprob, _MIN_LOGPROB))
+        listed = entries if top is None else entries[: top + 1]
+        tops.append(
             {
                 _token_text(e.token_id, as_ids): max(e.logprob, _MIN_LOGPROB)
-                for e in entries
+                for e in listed
             }
         )
     return {
         "text_offset": offsets,
         "token_logprobs": token_logprobs,
         "tokens": tokens,
-        "top_logprobs": top,
+        "top_logprobs": tops,
     }
 
 
@@ -651,7 +679,7 @@ def chat_logprobs(
         content.append(
             {
                 "token": token,
-                "logprob": max(entries[0].logprob, _MIN_LOGPROB),
+                "logprob": max(_own(token_id, entries).logprob, _MIN_LOGPROB),
                 "bytes": list(token.encode("utf-8", errors="replace")),
                 "top_logprobs": [
                     {
@@ -821,8 +849,11 @@ class ResponseBuilder:
                 [*self.prompt_logprobs, *logprobs],
                 text_offset,
                 as_ids,
+                self.logprobs,
             )
-        return completion_logprobs(token_ids, list(logprobs), text_offset, as_ids)
+        return completion_logprobs(
+            token_ids, list(logprobs), text_offset, as_ids, self.logprobs
+        )
 
     def role_chunk(self) -> dict[str, Any] | None:
         """A chat stream's first chunk, naming the role; None for completions."""

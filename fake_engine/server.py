@@ -21,6 +21,7 @@ from engine_patch.hashing import splitmix64
 from engine_patch.log import get_logger
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
+from fake_engine.model import TokenLogprob
 from fake_engine.protocol import (
     VALIDATION_ERROR_TYPE,
     ChatCompletionRequest,
@@ -37,8 +38,14 @@ from fake_engine.protocol import (
     validation_error,
     vllm_validation_error,
 )
-from fake_engine.request import EngineRequest, RequestOutput, SamplingOptions
+from fake_engine.request import (
+    EngineRequest,
+    RequestOutput,
+    RequestStatus,
+    SamplingOptions,
+)
 from fake_engine.tokenizer import (
+    EOS_TOKEN_ID,
     VOCAB_SIZE,
     ChatTemplateError,
     apply_chat_template,
@@ -113,6 +120,68 @@ class _Choice:
 
     request: EngineRequest
     builder: ResponseBuilder
+
+
+@dataclasses.dataclass
+class _Beam:
+    """A beam of a beam search: its tokens, their summed logprob, and each
+    token's position's logprobs."""
+
+    token_ids: list[int]
+    logprob: float
+    logprobs: list[list[TokenLogprob]]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    def output(self, skip_special_tokens: bool) -> RequestOutput:
+        """The beam as a finished request's last output (its text without a
+        final EOS it keeps)."""
+        text_ids = self.token_ids[: len(self.token_ids) - self.ends_in_eos]
+        return RequestOutput(
+            self.token_ids,
+            decode(text_ids, skip_special_tokens=skip_special_tokens),
+            self.finish_reason or "length",
+            self.stop_reason,
+            logprobs=self.logprobs,
+        )
+
+    @property
+    def ends_in_eos(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] == EOS_TOKEN_ID
+
+    def score(self, num_prompt: int, length_penalty: float) -> float:
+        """vLLM's ``get_beam_search_score``: the logprob over the length
+        (prompt included, a final EOS not), to the ``length_penalty``."""
+        length = num_prompt + len(self.token_ids) - self.ends_in_eos
+        return self.logprob / float(max(length, 1) ** length_penalty)
+
+
+def _grown(
+    beams: list[_Beam],
+    outputs: list[RequestOutput],
+    body: CompletionRequest | ChatCompletionRequest,
+    done: list[_Beam],
+) -> list[_Beam]:
+    """Every beam grown by each of its step's logprobs' tokens, best first;
+    those ending in EOS (unless ignored) go to ``done`` instead."""
+    candidates = []
+    for beam, out in zip(beams, outputs, strict=True):
+        assert out.logprobs is not None
+        (entries,) = out.logprobs
+        for entry in entries:
+            grown = _Beam(
+                [*beam.token_ids, entry.token_id],
+                beam.logprob + entry.logprob,
+                [*beam.logprobs, entries],
+            )
+            if entry.token_id == EOS_TOKEN_ID and not body.ignore_eos:
+                grown.finish_reason, grown.stop_reason = "stop", EOS_TOKEN_ID
+                if not body.include_stop_str_in_output:
+                    grown.token_ids.pop()
+                done.append(grown)
+            else:
+                candidates.append(grown)
+    return sorted(candidates, key=lambda b: b.logprob, reverse=True)
 
 
 @dataclasses.dataclass
@@ -312,30 +381,41 @@ class EngineServer:
             ]
         except RequestError as e:
             return error_response(e)
+        if body.stream and body.use_beam_search:
+            return error_response(
+                RequestError("Streaming is not currently supported with beam search")
+            )
         base = request.headers.get("X-Request-Id") or body.request_id
         response_id = f"cmpl-{base}"
+        make = self._beam_choices if body.use_beam_search else self._choices
         choices = []
         for index, (prompt_ids, max_tokens) in enumerate(prompts):
             # vLLM echoes the prompt's ids instead of its text where both are asked.
             echo = decode(prompt_ids) if body.echo and not body.return_token_ids else ""
-            choices += self._choices(
-                f"{response_id}-{index}-{uuid.uuid4().hex[:8]}",
-                prompt_ids,
-                body,
-                max_tokens,
-                (base, response_id, f"{response_id}-{index}"),
-                self._builder(
-                    body,
-                    response_id,
+            choices.append(
+                make(
+                    f"{response_id}-{index}-{uuid.uuid4().hex[:8]}",
                     prompt_ids,
-                    echo=echo,
-                    echoes=bool(body.echo),
-                    index=index * body.num_choices,
-                ),
+                    body,
+                    max_tokens,
+                    (base, response_id, f"{response_id}-{index}"),
+                    self._builder(
+                        body,
+                        response_id,
+                        prompt_ids,
+                        echo=echo,
+                        echoes=bool(body.echo),
+                        index=index * body.num_choices,
+                    ),
+                )
             )
+        try:
+            made = await asyncio.gather(*choices)
+        except RequestError as e:  # a beam search's engine stopped
+            return error_response(e)
         return await self._respond(
             request,
-            choices,
+            [choice for prompt_choices in made for choice in prompt_choices],
             sum(len(prompt_ids) for prompt_ids, _ in prompts),
             bool(body.stream),
             body.stream_interval,
@@ -369,14 +449,18 @@ class EngineServer:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id
         response_id = f"chatcmpl-{base}"
-        choices = self._choices(
-            f"{response_id}-{uuid.uuid4().hex[:8]}",
-            prompt_ids,
-            body,
-            max_tokens,
-            (base, response_id),
-            self._builder(body, response_id, prompt_ids),
-        )
+        make = self._beam_choices if body.use_beam_search else self._choices
+        try:
+            choices = await make(
+                f"{response_id}-{uuid.uuid4().hex[:8]}",
+                prompt_ids,
+                body,
+                max_tokens,
+                (base, response_id),
+                self._builder(body, response_id, prompt_ids),
+            )
+        except RequestError as e:  # a beam search's engine stopped
+            return error_response(e)
         return await self._respond(
             request, choices, len(prompt_ids), bool(body.stream), body.stream_interval
         )
@@ -681,7 +765,7 @@ class EngineServer:
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
         )
 
-    def _choices(
+    async def _choices(
         self,
         request_id: str,
         prompt_ids: list[int],
@@ -715,13 +799,98 @@ class EngineServer:
             for i in range(n)
         ]
 
-    def _submit(self, choices: list[_Choice]) -> RequestError | None:
-        """Add every choice's request to the engine, or none."""
+    async def _beam_choices(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        aliases: tuple[str, ...],
+        builder: ResponseBuilder,
+    ) -> list[_Choice]:
+        """The ``n`` best beams of a beam search, answered: vLLM's server
+        search, one engine request per beam and token, each asking for twice
+        the width in logprobs, and each beam a choice.
+
+        Raises:
+            RequestError: If the engine stopped.
+        """
+        width = body.num_choices
+        beams = [_Beam([], 0.0, [])]
+        done: list[_Beam] = []
+        failed: RequestOutput | None = None
+        for _ in range(max_tokens):
+            outputs = await self._beam_step(
+                request_id, prompt_ids, beams, width, aliases
+            )
+            if failed := next((o for o in outputs if o.finish_reason == "error"), None):
+                break
+            if any(o.finish_reason == "abort" for o in outputs):
+                for beam in beams:
+                    beam.finish_reason = "abort"
+                break
+            beams = _grown(beams, outputs, body, done)[:width]
+            if not beams:
+                break
+        if failed is not None:
+            finals = [failed]
+        else:
+            best = sorted(
+                done + beams,
+                key=lambda b: b.score(len(prompt_ids), body.length_penalty),
+                reverse=True,
+            )[:width]
+            finals = [beam.output(body.skip_special_tokens) for beam in best]
+        answered = []
+        for i, final in enumerate(finals):
+            request = EngineRequest(
+                request_id=f"{request_id}-{i}",
+                prompt_token_ids=prompt_ids,
+                sampling=SamplingOptions(max_tokens=max_tokens),
+                status=RequestStatus.FINISHED,
+            )
+            request.outputs.put_nowait(final)
+            answered.append(
+                _Choice(request, dataclasses.replace(builder, index=builder.index + i))
+            )
+        return answered
+
+    async def _beam_step(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        beams: list[_Beam],
+        width: int,
+        aliases: tuple[str, ...],
+    ) -> list[RequestOutput]:
+        """One token of every beam, with twice ``width`` logprobs.
+
+        Raises:
+            RequestError: If the engine stopped.
+        """
+        step = [
+            EngineRequest(
+                request_id=f"{request_id}-{uuid.uuid4().hex[:8]}-beam-{i}",
+                prompt_token_ids=prompt_ids + beam.token_ids,
+                sampling=SamplingOptions(max_tokens=1, logprobs=2 * width),
+                aliases=aliases,
+            )
+            for i, beam in enumerate(beams)
+        ]
+        if (error := self._submit(step)) is not None:
+            raise error
         try:
-            for choice in choices:
-                self.engine.add_request(choice.request)
+            return list(await asyncio.gather(*(_whole(r) for r in step)))
+        finally:
+            self._abort_unfinished(step)
+
+    def _submit(self, requests: list[EngineRequest]) -> RequestError | None:
+        """Add every request to the engine, or none."""
+        try:
+            for request in requests:
+                self.engine.add_request(request)
         except EngineStoppedError as e:
-            self._abort_unfinished(choices)
+            self._abort_unfinished(requests)
             return RequestError(
                 str(e),
                 err_type="ServiceUnavailableError",
@@ -729,8 +898,8 @@ class EngineServer:
             )
         return None
 
-    def _abort_unfinished(self, choices: list[_Choice]) -> None:
-        unfinished = [c.request.request_id for c in choices if not c.request.finished]
+    def _abort_unfinished(self, requests: list[EngineRequest]) -> None:
+        unfinished = [r.request_id for r in requests if not r.finished]
         if unfinished:
             self.engine.abort(unfinished)
 
@@ -745,7 +914,9 @@ class EngineServer:
         """Run the choices' requests on the engine and answer them, whole or
         streamed (``stream_interval`` tokens a chunk, as vLLM batches them);
         ``num_prompt`` counts the tokens of all prompts once."""
-        if (error := self._submit(choices)) is not None:
+        requests = [c.request for c in choices]
+        # A beam search's choices come answered.
+        if (error := self._submit([r for r in requests if not r.finished])) is not None:
             return error_response(error)
         try:
             if stream:
@@ -754,7 +925,7 @@ class EngineServer:
                 )
             return await self._full_response(choices, num_prompt)
         finally:
-            self._abort_unfinished(choices)
+            self._abort_unfinished(requests)
 
     async def _full_response(
         self, choices: list[_Choice], num_prompt: int

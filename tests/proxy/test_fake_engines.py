@@ -647,3 +647,25 @@ async def test_logprobs_through_the_proxy_equal_a_monolithic_engines(
     assert want["choices"][0]["logprobs"] or want["choices"][0].get(
         "prompt_logprobs", want.get("prompt_logprobs")
     )
+
+
+@pytest.mark.parametrize(
+    ("route", "stream"),
+    [
+        ("/v1/completions", False),
+        ("/v1/chat/completions", False),
+        ("/v1/chat/completions", True),
+    ],
+    ids=["completions", "chat", "chat-stream"],
+)
+async def test_a_beam_search_through_the_proxy_equals_a_monolithic_engines(
+    route: str, stream: bool
+):
+    # vLLM runs a beam search's steps without the prefill's params: the
+    # proxy runs it on a decode alone.
+    payload = {**body(route, PROMPTS[4], stream, 5), "use_beam_search": True, "n": 2}
+    alone, through, sent = await alone_and_through_the_proxy(route, payload)
+    want = _choice_texts(alone, stream)
+    assert _choice_texts(through, stream) == want
+    assert len(set(want.values())) == 2
+    assert sent == 0
