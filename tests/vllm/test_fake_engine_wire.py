@@ -35,6 +35,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog, then it"
 MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 OTHER_PROMPT = "Foxes live in"
 SAMPLED_PAIR = {"n": 2, "temperature": 0.8, "seed": 1}
+BEAMS = {"use_beam_search": True, "n": 2}
 
 # Fields both routes take, the same way.
 SHARED: dict[str, dict[str, Any]] = {
@@ -74,6 +75,11 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "chat-choices": (CHAT, SAMPLED_PAIR),
     "chat-stream-choices": (CHAT, {**SAMPLED_PAIR, "stream": True}),
+    # Beam search: the beams are the choices.
+    "completion-beam": (COMPLETIONS, BEAMS),
+    "completion-beam-logprobs": (COMPLETIONS, {**BEAMS, "logprobs": 1}),
+    "chat-beam": (CHAT, BEAMS),
+    "chat-stream-beam": (CHAT, {**BEAMS, "stream": True}),
     # Logprobs: of each token, of the prompt's.
     "completion-logprobs": (COMPLETIONS, {"logprobs": 2}),
     "completion-stream-logprobs": (COMPLETIONS, {"stream": True, "logprobs": 2}),
@@ -108,6 +114,9 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "unknown-model": (COMPLETIONS, {"model": "no-such-model"}),
     "greedy-choices": (COMPLETIONS, {"n": 2}),
     "too-many-logprobs": (COMPLETIONS, {"logprobs": 21}),
+    "stream-beam": (COMPLETIONS, {**BEAMS, "stream": True}),
+    "beam-echo-logprobs": (COMPLETIONS, {**BEAMS, "echo": True, "logprobs": 1}),
+    "wide-beam": (COMPLETIONS, {**BEAMS, "n": 11}),
     "all-prompt-logprobs": (CHAT, {"prompt_logprobs": -1}),
     "negative-logprobs": (COMPLETIONS, {"logprobs": -2}),
     "top-logprobs-without-logprobs": (CHAT, {"top_logprobs": 2}),
