@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import re
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -19,9 +19,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine_patch.hashing import splitmix64
 from engine_patch.log import get_logger
+from fake_engine.choices import (
+    Beam,
+    Choice,
+    ChoiceStream,
+    grown,
+    merged,
+    whole,
+)
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
-from fake_engine.model import TokenLogprob
 from fake_engine.protocol import (
     VALIDATION_ERROR_TYPE,
     ChatCompletionRequest,
@@ -45,7 +52,6 @@ from fake_engine.request import (
     SamplingOptions,
 )
 from fake_engine.tokenizer import (
-    EOS_TOKEN_ID,
     VOCAB_SIZE,
     ChatTemplateError,
     apply_chat_template,
@@ -87,191 +93,6 @@ def _sse(body: Any) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
-
-
-def _shows_nothing(out: RequestOutput, num_output: int, *, echoes: bool) -> bool:
-    """Whether a stream skips ``out``: no text and no tokens while none were
-    output yet (``num_output`` counts ``out``'s), and no echo to send. vLLM's
-    stream generators skip such an output even when it finishes the request
-    (one aborted before its first token): its stream then has no choice chunk."""
-    return not out.text and num_output == 0 and not echoes
-
-
-def _joined(held: RequestOutput, out: RequestOutput) -> RequestOutput:
-    """``out`` with the tokens and text of ``held``, an output not yet sent,
-    before its own."""
-    logprobs = None
-    if held.logprobs is not None and out.logprobs is not None:
-        logprobs = held.logprobs + out.logprobs
-    return RequestOutput(
-        held.token_ids + out.token_ids,
-        held.text + out.text,
-        out.finish_reason,
-        out.stop_reason,
-        out.error,
-        out.kv_transfer_params,
-        logprobs,
-    )
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One choice of a response: its engine request and its builder."""
-
-    request: EngineRequest
-    builder: ResponseBuilder
-
-
-@dataclasses.dataclass
-class _Beam:
-    """A beam of a beam search: its tokens, their summed logprob, and each
-    token's position's logprobs."""
-
-    token_ids: list[int]
-    logprob: float
-    logprobs: list[list[TokenLogprob]]
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-
-    def output(self, skip_special_tokens: bool) -> RequestOutput:
-        """The beam as a finished request's last output (its text without a
-        final EOS it keeps)."""
-        text_ids = self.token_ids[: len(self.token_ids) - self.ends_in_eos]
-        return RequestOutput(
-            self.token_ids,
-            decode(text_ids, skip_special_tokens=skip_special_tokens),
-            self.finish_reason or "length",
-            self.stop_reason,
-            logprobs=self.logprobs,
-        )
-
-    @property
-    def ends_in_eos(self) -> bool:
-        return bool(self.token_ids) and self.token_ids[-1] == EOS_TOKEN_ID
-
-    def score(self, num_prompt: int, length_penalty: float) -> float:
-        """vLLM's ``get_beam_search_score``: the logprob over the length
-        (prompt included, a final EOS not), to the ``length_penalty``."""
-        length = num_prompt + len(self.token_ids) - self.ends_in_eos
-        return self.logprob / float(max(length, 1) ** length_penalty)
-
-
-def _grown(
-    beams: list[_Beam],
-    outputs: list[RequestOutput],
-    body: CompletionRequest | ChatCompletionRequest,
-    done: list[_Beam],
-) -> list[_Beam]:
-    """Every beam grown by each of its step's logprobs' tokens, best first;
-    those ending in EOS (unless ignored) go to ``done`` instead."""
-    candidates = []
-    for beam, out in zip(beams, outputs, strict=True):
-        assert out.logprobs is not None
-        (entries,) = out.logprobs
-        for entry in entries:
-            grown = _Beam(
-                [*beam.token_ids, entry.token_id],
-                beam.logprob + entry.logprob,
-                [*beam.logprobs, entries],
-            )
-            if entry.token_id == EOS_TOKEN_ID and not body.ignore_eos:
-                grown.finish_reason, grown.stop_reason = "stop", EOS_TOKEN_ID
-                if not body.include_stop_str_in_output:
-                    grown.token_ids.pop()
-                done.append(grown)
-            else:
-                candidates.append(grown)
-    return sorted(candidates, key=lambda b: b.logprob, reverse=True)
-
-
-@dataclasses.dataclass
-class _ChoiceStream:
-    """What a stream has sent of one choice."""
-
-    builder: ResponseBuilder
-    first: bool = True
-    num_output: int = 0
-    held: RequestOutput | None = None
-    # Where the next chunk's logprobs' text offsets start (completions).
-    text_offset: int = 0
-
-    def chunk(self, out: RequestOutput, interval: int) -> dict[str, Any] | None:
-        """The chunk to send for ``out``, or None while it is held (or
-        shows nothing)."""
-        if self.held is not None:
-            out = _joined(self.held, out)
-            self.held = None
-        if (
-            interval > 1
-            and not out.finished
-            and self.num_output > 0
-            and len(out.token_ids) < interval
-        ):
-            self.held = out
-            return None
-        self.num_output += len(out.token_ids)
-        builder = self.builder
-        echoes = self.first and builder.echoes
-        if _shows_nothing(out, self.num_output, echoes=echoes):
-            return None
-        chunk = builder.chunk(
-            text=out.text,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            token_ids=out.token_ids,
-            first=self.first,
-            num_output=self.num_output,
-            logprobs=out.logprobs,
-            text_offset=self.text_offset,
-        )
-        self.first = False
-        logprobs = chunk["choices"][0]["logprobs"]
-        if logprobs is not None and logprobs.get("tokens"):
-            self.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        return chunk
-
-
-async def _whole(request: EngineRequest) -> RequestOutput:
-    """All of a request's outputs joined into one: its text, tokens and
-    logprobs, and how it finished."""
-    whole = await request.outputs.get()
-    while not whole.finished:
-        whole = _joined(whole, await request.outputs.get())
-    return whole
-
-
-async def _merged(
-    requests: list[EngineRequest],
-) -> AsyncGenerator[tuple[int, RequestOutput]]:
-    """Every request's outputs, each with its request's index, as they come
-    (vLLM's ``merge_async_iterators``); a finished request's last."""
-    if len(requests) == 1:
-        (request,) = requests
-        while True:
-            out = await request.outputs.get()
-            yield 0, out
-            if out.finished:
-                return
-    merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-
-    async def forward(index: int, request: EngineRequest) -> None:
-        while True:
-            out = await request.outputs.get()
-            merged.put_nowait((index, out))
-            if out.finished:
-                return
-
-    tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(requests)]
-    try:
-        unfinished = len(requests)
-        while unfinished:
-            index, out = await merged.get()
-            if out.finished:
-                unfinished -= 1
-            yield index, out
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _fingerprint(config: EngineConfig) -> str:
@@ -773,7 +594,7 @@ class EngineServer:
         max_tokens: int,
         aliases: tuple[str, ...],
         builder: ResponseBuilder,
-    ) -> list[_Choice]:
+    ) -> list[Choice]:
         """The ``n`` choices of one prompt, each an engine request (named as
         vLLM names parallel sampling's children) with its builder. The first
         is the model's plain continuation; each other has a seed of its
@@ -783,9 +604,9 @@ class EngineServer:
             engine_request = self._engine_request(
                 request_id, prompt_ids, body, max_tokens, aliases
             )
-            return [_Choice(engine_request, builder)]
+            return [Choice(engine_request, builder)]
         return [
-            _Choice(
+            Choice(
                 self._engine_request(
                     f"{i}_{request_id}",
                     prompt_ids,
@@ -807,7 +628,7 @@ class EngineServer:
         max_tokens: int,
         aliases: tuple[str, ...],
         builder: ResponseBuilder,
-    ) -> list[_Choice]:
+    ) -> list[Choice]:
         """The ``n`` best beams of a beam search, answered: vLLM's server
         search, one engine request per beam and token, each asking for twice
         the width in logprobs, and each beam a choice.
@@ -816,8 +637,8 @@ class EngineServer:
             RequestError: If the engine stopped.
         """
         width = body.num_choices
-        beams = [_Beam([], 0.0, [])]
-        done: list[_Beam] = []
+        beams = [Beam([], 0.0, [])]
+        done: list[Beam] = []
         failed: RequestOutput | None = None
         for _ in range(max_tokens):
             outputs = await self._beam_step(
@@ -829,7 +650,7 @@ class EngineServer:
                 for beam in beams:
                     beam.finish_reason = "abort"
                 break
-            beams = _grown(beams, outputs, body, done)[:width]
+            beams = grown(beams, outputs, body, done)[:width]
             if not beams:
                 break
         if failed is not None:
@@ -851,7 +672,7 @@ class EngineServer:
             )
             request.outputs.put_nowait(final)
             answered.append(
-                _Choice(request, dataclasses.replace(builder, index=builder.index + i))
+                Choice(request, dataclasses.replace(builder, index=builder.index + i))
             )
         return answered
 
@@ -859,7 +680,7 @@ class EngineServer:
         self,
         request_id: str,
         prompt_ids: list[int],
-        beams: list[_Beam],
+        beams: list[Beam],
         width: int,
         aliases: tuple[str, ...],
     ) -> list[RequestOutput]:
@@ -880,7 +701,7 @@ class EngineServer:
         if (error := self._submit(step)) is not None:
             raise error
         try:
-            return list(await asyncio.gather(*(_whole(r) for r in step)))
+            return list(await asyncio.gather(*(whole(r) for r in step)))
         finally:
             self._abort_unfinished(step)
 
@@ -906,7 +727,7 @@ class EngineServer:
     async def _respond(
         self,
         request: web.Request,
-        choices: list[_Choice],
+        choices: list[Choice],
         num_prompt: int,
         stream: bool,
         stream_interval: int | None = None,
@@ -928,9 +749,9 @@ class EngineServer:
             self._abort_unfinished(requests)
 
     async def _full_response(
-        self, choices: list[_Choice], num_prompt: int
+        self, choices: list[Choice], num_prompt: int
     ) -> web.Response:
-        outputs = await asyncio.gather(*(_whole(c.request) for c in choices))
+        outputs = await asyncio.gather(*(whole(c.request) for c in choices))
         for out in outputs:
             if out.finish_reason == "error":
                 return error_response(
@@ -962,7 +783,7 @@ class EngineServer:
     async def _stream_response(
         self,
         request: web.Request,
-        choices: list[_Choice],
+        choices: list[Choice],
         num_prompt: int,
         interval: int,
     ) -> web.StreamResponse:
@@ -973,12 +794,12 @@ class EngineServer:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8"}
         )
-        streams = [_ChoiceStream(c.builder) for c in choices]
+        streams = [ChoiceStream(c.builder) for c in choices]
         unfinished = len(streams)
         try:
             await response.prepare(request)
             role_chunks = [c.builder.role_chunk() for c in choices]
-            outputs = _merged([c.request for c in choices])
+            outputs = merged([c.request for c in choices])
             async with contextlib.aclosing(outputs):
                 async for index, out in outputs:
                     for role_chunk in role_chunks:
