@@ -120,8 +120,18 @@ def _check_stream_options(data: Any) -> Any:
     return data
 
 
-def _check_prompt_logprobs(data: dict[str, Any]) -> None:
-    """vLLM's checks of ``prompt_logprobs`` before validation."""
+def _check_logprobs(data: dict[str, Any], count: str) -> None:
+    """vLLM's checks of ``prompt_logprobs`` and of the top logprobs asked
+    per token (``count``: completions' ``logprobs``, chat's
+    ``top_logprobs``) before validation: numbers, not past -1, and no
+    prompt logprobs in a stream."""
+    for name in ("prompt_logprobs", count):
+        value = data.get(name)
+        # Before validation: a string would reach the comparisons below.
+        if value is not None and not isinstance(value, (int, float)):
+            raise vllm_validation_error(
+                f"`{name}` must be an integer.", param=name, value=value
+            )
     if (prompt_logprobs := data.get("prompt_logprobs")) is not None:
         if data.get("stream") and (prompt_logprobs > 0 or prompt_logprobs == -1):
             raise vllm_validation_error(
@@ -134,6 +144,10 @@ def _check_prompt_logprobs(data: dict[str, Any]) -> None:
                 param="prompt_logprobs",
                 value=prompt_logprobs,
             )
+    if (top := data.get(count)) is not None and top < 0 and top != -1:
+        raise vllm_validation_error(
+            f"`{count}` must be a positive value or -1.", param=count, value=top
+        )
 
 
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for.
@@ -363,14 +377,7 @@ class CompletionRequest(_GenerateRequest):
                 "because beam search does not compute prompt logprobs.",
                 param="echo",
             )
-        _check_prompt_logprobs(data)
-        logprobs = data.get("logprobs")
-        if isinstance(logprobs, int) and logprobs < 0 and logprobs != -1:
-            raise vllm_validation_error(
-                "`logprobs` must be a positive value or -1.",
-                param="logprobs",
-                value=logprobs,
-            )
+        _check_logprobs(data, "logprobs")
         if data.get("max_tokens") is None:
             data = {**data, "max_tokens": 16}
         prompt = data.get("prompt")
@@ -419,25 +426,17 @@ class ChatCompletionRequest(_GenerateRequest):
         """vLLM's ``check_logprobs``, in its order and words."""
         if not isinstance(data, dict):
             return data
-        for name in ("prompt_logprobs", "top_logprobs"):
-            value = data.get(name)
-            if value is not None and not isinstance(value, (int, float)):
-                raise vllm_validation_error(
-                    f"`{name}` must be an integer.", param=name, value=value
-                )
-        _check_prompt_logprobs(data)
-        if (top_logprobs := data.get("top_logprobs")) is not None:
-            if top_logprobs < 0 and top_logprobs != -1:
-                raise vllm_validation_error(
-                    "`top_logprobs` must be a positive value or -1.",
-                    param="top_logprobs",
-                    value=top_logprobs,
-                )
-            if (top_logprobs == -1 or top_logprobs > 0) and not data.get("logprobs"):
-                raise vllm_validation_error(
-                    "when using `top_logprobs`, `logprobs` must be set to true.",
-                    param="top_logprobs",
-                )
+        _check_logprobs(data, "top_logprobs")
+        top_logprobs = data.get("top_logprobs")
+        if (
+            top_logprobs is not None
+            and (top_logprobs == -1 or top_logprobs > 0)
+            and not data.get("logprobs")
+        ):
+            raise vllm_validation_error(
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                param="top_logprobs",
+            )
         return data
 
 

@@ -157,6 +157,13 @@ async def test_a_pd_pair_gives_the_logprobs_one_engine_gives(
             "Requested prompt logprobs of 257, which is greater than max allowed: 20",
         ),
         (COMPLETIONS, {"logprobs": -2}, "`logprobs` must be a positive value or -1."),
+        (COMPLETIONS, {"logprobs": "2"}, "`logprobs` must be an integer."),
+        (
+            COMPLETIONS,
+            {"prompt_logprobs": "2"},
+            "`prompt_logprobs` must be an integer.",
+        ),
+        (CHAT, {"top_logprobs": "2"}, "`top_logprobs` must be an integer."),
         (
             CHAT,
             {"top_logprobs": 2},

@@ -119,6 +119,7 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "wide-beam": (COMPLETIONS, {**BEAMS, "n": 11}),
     "all-prompt-logprobs": (CHAT, {"prompt_logprobs": -1}),
     "negative-logprobs": (COMPLETIONS, {"logprobs": -2}),
+    "text-prompt-logprobs": (COMPLETIONS, {"prompt_logprobs": "1"}),
     "top-logprobs-without-logprobs": (CHAT, {"top_logprobs": 2}),
     "stream-prompt-logprobs": (COMPLETIONS, {"stream": True, "prompt_logprobs": 1}),
     "no-choices": (CHAT, {"n": 0}),
