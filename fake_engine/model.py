@@ -55,6 +55,13 @@ class TokenLogprob(NamedTuple):
     rank: int
 
 
+def _pick(value: int, *, allow_eos: bool) -> int:
+    """The token a position whose value is ``value`` picks."""
+    if allow_eos and value % _EOS_ODDS == 0:
+        return EOS_TOKEN_ID
+    return _ALPHABET[(value >> 8) % len(_ALPHABET)]
+
+
 def _likeliest(value: int, first: int, count: int) -> list[TokenLogprob]:
     """The ``count`` likeliest tokens of the position whose value is
     ``value``, ``first`` (the one it picks) first."""
@@ -202,10 +209,7 @@ class FakeModel:
 
     def next_token(self, digest: int, position: int, *, allow_eos: bool) -> int:
         """The token at ``position``, from the digest of the KV before it."""
-        value = mix(digest ^ splitmix64(position))
-        if allow_eos and value % _EOS_ODDS == 0:
-            return EOS_TOKEN_ID
-        return _ALPHABET[(value >> 8) % len(_ALPHABET)]
+        return _pick(mix(digest ^ splitmix64(position)), allow_eos=allow_eos)
 
     def logprobs(
         self, digest: int, position: int, *, allow_eos: bool, count: int
@@ -214,8 +218,7 @@ class FakeModel:
         in all (at least 1), best first: what vLLM returns for a sampled
         token when ``count`` top logprobs are asked (the pick is rank 1)."""
         value = mix(digest ^ splitmix64(position))
-        chosen = self.next_token(digest, position, allow_eos=allow_eos)
-        return _likeliest(value, chosen, max(1, count))
+        return _likeliest(value, _pick(value, allow_eos=allow_eos), max(1, count))
 
     def prompt_logprobs(
         self, token_ids: list[int], count: int
@@ -229,8 +232,7 @@ class FakeModel:
         out: list[list[TokenLogprob] | None] = [None] if token_ids else []
         for position in range(1, len(token_ids)):
             value = mix(hashes[position - 1] ^ splitmix64(position))
-            picked = _ALPHABET[(value >> 8) % len(_ALPHABET)]
-            likeliest = _likeliest(value, picked, _PROMPT_RANKS)
+            likeliest = _likeliest(value, _pick(value, allow_eos=False), _PROMPT_RANKS)
             token = token_ids[position]
             entry = next((e for e in likeliest if e.token_id == token), None)
             if entry is None:

@@ -22,9 +22,9 @@ from fake_engine.tokenizer import VOCAB_SIZE, decode
 logger = get_logger(__name__)
 
 _INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
 # Temperatures below it sample greedily (vLLM's SamplingParams).
 _SAMPLING_EPS = 1e-5
-_INT64_MAX = 2**63 - 1
 
 
 def random_uuid() -> str:
@@ -154,6 +154,18 @@ def _check_logprobs(data: dict[str, Any], count: str) -> None:
 MAX_LOGPROBS = 20
 
 
+def _too_many_logprobs(param: str, count: int) -> RequestError:
+    """vLLM's refusal of ``count`` logprobs (``logprobs``: per sampled token,
+    ``prompt_logprobs``: per prompt token), past ``MAX_LOGPROBS``."""
+    kind = "sample" if param == "logprobs" else "prompt"
+    return vllm_validation_error(
+        f"Requested {kind} logprobs of {count}, which is greater than max "
+        f"allowed: {MAX_LOGPROBS}",
+        param=param,
+        value=count,
+    )
+
+
 class _GenerateRequest(_OpenAIModel):
     """Fields completions and chat share. Sampling fields the deterministic
     model does not use (temperature, top_p, seed, ...) are accepted within
@@ -224,23 +236,11 @@ class _GenerateRequest(_OpenAIModel):
             ("prompt_logprobs", self.num_prompt_logprobs),
         ):
             if count is not None and (count == -1 or count > MAX_LOGPROBS):
-                count = VOCAB_SIZE if count == -1 else count
-                kind = "sample" if name == "logprobs" else "prompt"
-                raise vllm_validation_error(
-                    f"Requested {kind} logprobs of {count}, which is greater "
-                    f"than max allowed: {MAX_LOGPROBS}",
-                    param=name,
-                    value=count,
-                )
+                raise _too_many_logprobs(name, VOCAB_SIZE if count == -1 else count)
         if self.use_beam_search:
             # Each step asks for twice the width in logprobs.
             if (count := 2 * self.num_choices) > MAX_LOGPROBS:
-                raise vllm_validation_error(
-                    f"Requested sample logprobs of {count}, which is greater "
-                    f"than max allowed: {MAX_LOGPROBS}",
-                    param="logprobs",
-                    value=count,
-                )
+                raise _too_many_logprobs("logprobs", count)
             return
         # Checked after the ranges, as SamplingParams does.
         greedy = self.temperature is not None and self.temperature < _SAMPLING_EPS
@@ -263,8 +263,7 @@ class _GenerateRequest(_OpenAIModel):
 
     @property
     def num_choices(self) -> int:
-        """Choices per prompt (``n``). Each is the fake model's one
-        continuation: it samples nothing."""
+        """Choices per prompt (``n``), or beams of a beam search."""
         return 1 if self.n is None else self.n
 
     def _check_sampling(self) -> None:

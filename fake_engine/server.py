@@ -600,15 +600,10 @@ class EngineServer:
         is the model's plain continuation; each other has a seed of its
         own, so that its text differs as a sampled one would."""
         n = body.num_choices
-        if n == 1:
-            engine_request = self._engine_request(
-                request_id, prompt_ids, body, max_tokens, aliases
-            )
-            return [Choice(engine_request, builder)]
         return [
             Choice(
                 self._engine_request(
-                    f"{i}_{request_id}",
+                    f"{i}_{request_id}" if n > 1 else request_id,
                     prompt_ids,
                     body,
                     max_tokens,
