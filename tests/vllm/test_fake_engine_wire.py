@@ -9,6 +9,7 @@ untested (an echo's prompt token ids in a stream were one).
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -138,7 +139,8 @@ async def answer(
 ) -> tuple[int, Any]:
     """The status and the answer's shape: of the JSON body, or of a stream
     as its first event, its last two and the set of all (vLLM may join the
-    chunks of several steps when its server falls behind)."""
+    chunks of several steps when its server falls behind, so how many
+    events have a shape is not compared)."""
     async with http.post(url, json=body) as response:
         text = await response.text()
         status = response.status
@@ -149,7 +151,44 @@ async def answer(
     # A token whose text is empty has no bytes: its event's shape is
     # completed from the others'.
     shapes = [filled(s, shapes) for s in shapes]
-    return status, (shapes[0], shapes[-2:], sorted(map(repr, shapes)))
+    return status, (shapes[0], shapes[-2:], sorted(set(map(repr, shapes))))
+
+
+def in_between(shape_repr: str, first: Any) -> bool:
+    """Whether an event of this shape is a chunk of tokens that neither
+    opens the stream (``first``) nor ends its choice: one vLLM's joining of
+    steps can leave none of."""
+    if shape_repr == repr(first):
+        return False
+    event = ast.literal_eval(shape_repr)
+    if not isinstance(event, dict) or not event.get("choices"):
+        return False
+    (choice,) = event["choices"]
+    return choice["finish_reason"] == "NoneType" and "role" not in choice.get(
+        "delta", {}
+    )
+
+
+def same_answers(got: tuple[int, Any], want: tuple[int, Any]) -> bool:
+    """Whether the fake engine's answer has vLLM's shape. A stream may have
+    shapes vLLM's lacks only where vLLM joined every chunk between its
+    first event and its last two into them."""
+    if got == want:
+        return True
+    if not (isinstance(got[1], tuple) and isinstance(want[1], tuple)):
+        return False
+    (got_first, got_last, got_all), (want_first, want_last, want_all) = (
+        got[1],
+        want[1],
+    )
+    extra = set(got_all) - set(want_all)
+    return (
+        got[0] == want[0]
+        and (got_first, got_last) == (want_first, want_last)
+        and set(want_all) <= set(got_all)
+        and all(in_between(e, want_first) for e in extra)
+        and not any(in_between(e, want_first) for e in want_all)
+    )
 
 
 @pytest.mark.parametrize(("path", "fields"), BODIES.values(), ids=BODIES.keys())
@@ -168,4 +207,4 @@ async def test_the_fake_engine_answers_in_vllms_shape(
         body.pop("messages", None)
     want = await answer(http, servers.engine("producer").url + path, body)
     got = await answer(http, fake + path, body)
-    assert got == want
+    assert same_answers(got, want), (got, want)
