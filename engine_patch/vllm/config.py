@@ -26,6 +26,7 @@ from engine_patch.config import KVChecksumConfig
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBaseType
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # Connector names of KVGuard itself: an inner connector cannot be one.
 KVGUARD_CONNECTORS = frozenset({"KVGuardConnector", "KVGuardFaultInjectionConnector"})
@@ -245,6 +246,36 @@ def inner_vllm_config(vllm_config: VllmConfig, settings: KVGuardSettings) -> Vll
         vllm_config.kv_transfer_config, settings
     )
     return inner
+
+
+def without_hybrid_manager(
+    inner_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> VllmConfig:
+    """``inner_config`` with vLLM's hybrid KV cache manager off, as vLLM runs
+    an inner connector (or a MultiConnector child) without that support when
+    no KVGuard is around it. KVGuard supports it, so vLLM keeps it on; that
+    changes nothing for a KV cache of one full-attention group, which the
+    manager leaves as it is.
+
+    Raises:
+        KVGuardConfigError: If the KV cache is not one full-attention group:
+            vLLM would have laid it out otherwise.
+
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    assert inner_config.kv_transfer_config is not None
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise KVGuardConfigError(
+            f"inner connector {inner_config.kv_transfer_config.kv_connector} "
+            "does not support the hybrid KV cache manager (for a MultiConnector: "
+            "one of its connectors does not); set --disable-hybrid-kv-cache-manager"
+        )
+    config = copy.copy(inner_config)
+    config.scheduler_config = copy.copy(inner_config.scheduler_config)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    return config
 
 
 def inner_connector_class(

@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CopyBlocksOp,
     KVConnectorBase_V1,
@@ -34,7 +35,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
-    supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -50,11 +50,11 @@ from vllm.v1.outputs import KVConnectorOutput
 from engine_patch.log import get_logger
 from engine_patch.vllm._logging import use_vllm_handlers
 from engine_patch.vllm.config import (
-    KVGuardConfigError,
     KVGuardSettings,
     inner_connector_class,
     inner_vllm_config,
     parse_settings,
+    without_hybrid_manager,
 )
 from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
 from engine_patch.vllm.scheduler_side import KVGuardSchedulerSide
@@ -97,7 +97,9 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
 
     Raises:
         KVGuardConfigError: At startup, if ``kv_connector_extra_config`` is
-            invalid or the inner connector cannot be loaded.
+            invalid, the inner connector cannot be loaded, or it lacks the
+            hybrid KV cache manager's support for a KV cache that manager
+            lays out (``without_hybrid_manager``).
     """
 
     # Whether ``fault_injection`` is read (the fault-injection subclass).
@@ -116,16 +118,11 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         assert inner_config.kv_transfer_config is not None
         self._inner_ktc = inner_config.kv_transfer_config
         inner_cls = inner_connector_class(self._inner_ktc)
-        self._inner_hma = supports_hma(inner_cls)
-        if (
-            not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-            and not self._inner_hma
-            and len(kv_cache_config.kv_cache_groups) > 1
+        if not (
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+            or KVConnectorFactory.supports_hma_config(self._inner_ktc)
         ):
-            raise KVGuardConfigError(
-                f"inner connector {inner_cls.__name__} does not support the hybrid "
-                "KV cache manager; set --disable-hybrid-kv-cache-manager"
-            )
+            inner_config = without_hybrid_manager(inner_config, kv_cache_config)
         self._inner: KVConnectorBase_V1 = inner_cls(inner_config, role, kv_cache_config)
         self._scheduler: KVGuardSchedulerSide | None = None
         self._worker: KVGuardWorker | None = None

@@ -7,14 +7,25 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_steps import vllm_config
+from engine_steps import make_scheduler, vllm_config
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm_servers import MIDDLEWARE, WORK_DIR, EngineSpec, VllmServer
 
@@ -25,7 +36,9 @@ from engine_patch.vllm.config import (
     inner_transfer_config,
     parse_settings,
 )
+from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.fault import flip_bit
+from engine_patch.vllm.scheduler import KVGuardScheduler
 from engine_patch.vllm.stats import KVGuardConnectorStats
 from tests.support.ports import free_port
 
@@ -156,6 +169,74 @@ def test_inner_fields_a_transfer_config_lacks_are_a_clear_error() -> None:
     outer = transfer_config({"inner": {"kv_connector": "NixlConnector", "port": 1}})
     with pytest.raises(KVGuardConfigError, match=r"inner has fields .*: port"):
         inner_transfer_config(outer, parse_settings(outer))
+
+
+def example_connector(role: str, storage: Path) -> dict[str, Any]:
+    """vLLM's ExampleConnector (KV on disk), which lacks the hybrid KV cache
+    manager's support."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+
+
+def test_a_multi_connector_lacking_hybrid_support_gets_the_config_vllm_gives_it(
+    tmp_path: Path,
+) -> None:
+    role = "kv_consumer"
+    nixl = {"kv_connector": "NixlConnector", "kv_role": role}
+    children = [nixl, example_connector(role, tmp_path)]
+    config = vllm_config(
+        role,
+        inner={
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": children},
+        },
+    )
+    # vLLM sees KVGuard's support and keeps its hybrid KV cache manager on.
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    # MultiConnector refused that (an AssertionError) before KVGuard gave it
+    # the config vLLM gives it alone: the manager off, which changes nothing
+    # for one full-attention group.
+    connector = make_scheduler(KVGuardScheduler, config).connector
+    assert isinstance(connector, KVGuardConnector)
+    inner = connector.inner
+    assert isinstance(inner, MultiConnector)
+    assert inner._vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+@pytest.mark.parametrize("kinds", [["sliding_window"], ["sliding_window", "full"]])
+def test_an_inner_lacking_hybrid_support_is_refused_where_the_manager_counts(
+    tmp_path: Path, kinds: list[str]
+) -> None:
+    role = "kv_consumer"
+    config = vllm_config(role, inner=example_connector(role, tmp_path))
+    shape: dict[str, Any] = {
+        "block_size": 32,
+        "num_kv_heads": 2,
+        "head_size": 32,
+        "dtype": torch.bfloat16,
+    }
+    specs = {
+        "full": FullAttentionSpec(**shape),
+        "sliding_window": SlidingWindowSpec(**shape, sliding_window=64),
+    }
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], specs[kind])
+            for i, kind in enumerate(kinds)
+        ],
+    )
+    with pytest.raises(
+        KVGuardConfigError,
+        match=r"ExampleConnector does not support the hybrid KV cache manager.*; "
+        "set --disable-hybrid-kv-cache-manager",
+    ):
+        KVGuardConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 async def test_a_server_with_a_bad_config_refuses_to_start_and_says_why() -> None:

@@ -49,6 +49,8 @@ NICE_BUSY_POLLERS = os.environ.get("KVGUARD_VLLM_NICE_POLLERS", "1") != "0"
 BLOCK_SIZE = 32
 # 256 MiB of KV cache: thousands of the tiny model's 16 KiB blocks.
 KV_CACHE_BYTES = 256 << 20
+# ExampleConnector's KV on disk, per role (EngineSpec.multi_connector).
+EXAMPLE_TIER_DIR = WORK_DIR / "example-tier"
 MIDDLEWARE = "engine_patch.vllm.errors.kv_checksum_errors"
 # The tiny models' tokenizer has no chat template of its own.
 CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
@@ -257,6 +259,10 @@ class EngineSpec:
     block_size: int = BLOCK_SIZE
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = ()
+    # KVGuard's inner connector: vLLM's MultiConnector of NIXL and a second
+    # tier (ExampleConnector, on disk under WORK_DIR), as deployments that
+    # pair NIXL with a KV cache tier (LMCache, offloading) configure it.
+    multi_connector: bool = False
 
     @property
     def scheduler_cls(self) -> str | None:
@@ -275,7 +281,7 @@ class EngineSpec:
         if self.connector == "nixl":
             return {"kv_connector": "NixlConnector", **config}
         extra: dict[str, Any] = {
-            "inner": {"kv_connector": "NixlConnector"},
+            "inner": self.inner_connector(),
             "kv_checksums": {
                 "enabled": self.checksums,
                 "fail_closed": self.fail_closed,
@@ -291,6 +297,31 @@ class EngineSpec:
             "kv_connector_module_path": "engine_patch.vllm",
             "kv_connector_extra_config": extra,
             **config,
+        }
+
+    def inner_connector(self) -> dict[str, Any]:
+        """KVGuard's ``inner`` config."""
+        if not self.multi_connector:
+            return {"kv_connector": "NixlConnector"}
+        # MultiConnector's children inherit nothing: each needs its role.
+        role = f"kv_{self.role}"
+        tier = {"shared_storage_path": str(EXAMPLE_TIER_DIR / self.role)}
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {
+                        "kv_connector": "NixlConnector",
+                        "kv_role": role,
+                        "kv_buffer_device": "cpu",
+                    },
+                    {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": role,
+                        "kv_connector_extra_config": tier,
+                    },
+                ]
+            },
         }
 
 
