@@ -1,6 +1,7 @@
 """KVGuard around vLLM's MultiConnector in real vLLM 0.32 (CPU): NIXL for
 P/D and a second KV tier (ExampleConnector, on local disk), as deployments
-pairing NIXL with LMCache or an offloading connector configure it.
+pairing NIXL with LMCache or an offloading connector configure it, and with
+every instance ``kv_both``, as vLLM's NIXL examples and llm-d run them.
 
 vLLM turns its hybrid KV cache manager off for a MultiConnector one of whose
 connectors lacks its support, as ExampleConnector and LMCache's do; with
@@ -52,17 +53,18 @@ TIER_HIT = "External Cache Hit!"
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def pair(servers: Servers) -> AsyncIterator[Servers]:
     """A KVGuard producer and a fail-closed consumer corrupting every other
-    load, each around MultiConnector[NIXL, ExampleConnector], the proxy in
-    front; the second tier starts empty."""
+    load, each ``kv_both`` around MultiConnector[NIXL, ExampleConnector], the
+    proxy in front; the second tier starts empty."""
     shutil.rmtree(EXAMPLE_TIER_DIR, ignore_errors=True)
     await start_pair(
         servers,
-        EngineSpec("producer", multi_connector=True),
+        EngineSpec("producer", multi_connector=True, kv_both=True),
         EngineSpec(
             "consumer",
             "faults",
             faults=(("loads", "every_other"),),
             multi_connector=True,
+            kv_both=True,
         ),
     )
     try:

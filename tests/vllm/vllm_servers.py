@@ -263,6 +263,13 @@ class EngineSpec:
     # tier (ExampleConnector, on disk under WORK_DIR), as deployments that
     # pair NIXL with a KV cache tier (LMCache, offloading) configure it.
     multi_connector: bool = False
+    # kv_role "kv_both" (as vLLM's NIXL examples and llm-d run every
+    # instance), not the role's own.
+    kv_both: bool = False
+
+    @property
+    def kv_role(self) -> str:
+        return "kv_both" if self.kv_both else f"kv_{self.role}"
 
     @property
     def scheduler_cls(self) -> str | None:
@@ -274,7 +281,7 @@ class EngineSpec:
 
     def kv_transfer_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
-            "kv_role": f"kv_{self.role}",
+            "kv_role": self.kv_role,
             "kv_buffer_device": "cpu",
             "kv_load_failure_policy": self.policy,
         }
@@ -304,7 +311,7 @@ class EngineSpec:
         if not self.multi_connector:
             return {"kv_connector": "NixlConnector"}
         # MultiConnector's children inherit nothing: each needs its role.
-        role = f"kv_{self.role}"
+        role = self.kv_role
         tier = {"shared_storage_path": str(EXAMPLE_TIER_DIR / self.role)}
         return {
             "kv_connector": "MultiConnector",
