@@ -1,10 +1,11 @@
 """The real-vLLM harness's own behaviour: a start stalled in NIXL's agent
-creation, or whose log falls silent, is named as such and started again
-once; the benchmark's shares of the CPU for NIXL's pollers set each thread's
-policy and nice value."""
+creation, whose log falls silent, or whose warm-up gets no answer, is named
+as such and started again once; the benchmark's shares of the CPU for
+NIXL's pollers set each thread's policy and nice value."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import vllm_servers
+from aiohttp import web
 from vllm_servers import NIXL_INIT_BEGIN, EngineSpec, Servers, StartStalled, VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -84,6 +86,39 @@ async def test_a_stalled_start_is_started_again_once_and_then_fails(
     assert server.starts == 2
     assert re.search(reason, server.restarted)
     assert server.process is None
+
+
+async def test_a_warm_up_without_an_answer_is_a_stalled_start_started_again_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_servers, "WARM_UP_STALL_S", 0.5)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def never(_: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.post("/v1/completions", never)])
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    server = StallingServer("warm-up", port, tmp_path / "warm-up.log")
+    spec = EngineSpec("consumer")
+    try:
+        async with aiohttp.ClientSession() as session:
+            server.start(spec)
+            with pytest.raises(StartStalled, match=r"warm-up got no answer in 0 s"):
+                await Servers(session)._ready(server, spec)
+    finally:
+        server.stop()
+        await runner.cleanup()
+    assert server.starts == 2
+    assert "its warm-up got no answer" in server.restarted
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a nice value needs root")

@@ -72,6 +72,13 @@ NIXL_STALL_S = 90.0
 # logs each minute it waits. A start whose log is silent longer than
 # START_SILENT_S is restarted once, like a NIXL stall.
 START_SILENT_S = 150.0
+# The warm-up request is an instance's first forward. A tensor-parallel
+# instance's first forward hung (its engine core's "No available shared
+# memory broadcast block" each minute, the workers never reading) in 2 of
+# about 30 starts of a TP-2 consumer here, with KVGuard; 10 with plain NIXL
+# did not. A warm-up unanswered for WARM_UP_STALL_S is a stalled start,
+# restarted once, with where its threads wait in the startup summary.
+WARM_UP_STALL_S = 90.0
 
 # (server, seconds from launch to /health) of every start, for the summary.
 STARTUPS: list[tuple[str, float]] = []
@@ -535,8 +542,9 @@ class VllmServer(Server):
         """Wait for /health, then warm the engine up with a local request.
 
         Raises:
-            StartStalled: If NIXL's agent creation stalls (NIXL_STALL_S), or
-                the log stays silent (START_SILENT_S).
+            StartStalled: If NIXL's agent creation stalls (NIXL_STALL_S), the
+                log stays silent (START_SILENT_S), or the warm-up gets no
+                answer (WARM_UP_STALL_S).
             RuntimeError: If the server exits or is not up in time.
         """
         assert self.process is not None
@@ -576,7 +584,14 @@ class VllmServer(Server):
         # Plain vLLM's CPU AMX attention crashes a process whose first forward
         # is a decode (see engine_patch/vllm/worker_side.py); a local request
         # first makes any instance safe, and the timings fair.
-        status, _ = await complete(session, self.url, "warm up", max_tokens=2)
+        try:
+            async with asyncio.timeout(WARM_UP_STALL_S):
+                status, _ = await complete(session, self.url, "warm up", max_tokens=2)
+        except TimeoutError:
+            raise StartStalled(
+                f"{self.name}: its warm-up got no answer in {WARM_UP_STALL_S:.0f} s"
+                f" ({thread_waits(self.process.pid)})"
+            ) from None
         if status != 200:
             raise RuntimeError(f"{self.name} failed its warm-up:\n{self.log_tail()}")
         if NICE_BUSY_POLLERS and self.process is not None:
