@@ -140,6 +140,23 @@ async def through_proxy(
     )
 
 
+async def through_proxy_as_alone(
+    http: aiohttp.ClientSession,
+    servers: Servers,
+    prompts: list[str],
+    max_tokens: int,
+    tag: str,
+) -> Stage:
+    """Each prompt answered by the producer alone, then through the proxy
+    (:func:`through_proxy`): the answers must be the same."""
+    expected = await local_answers(
+        http, servers.engine(PRODUCER).url, prompts, max_tokens
+    )
+    stage = await through_proxy(http, servers, prompts, max_tokens, tag)
+    assert stage.answers == expected
+    return stage
+
+
 def assert_caught_and_retried(stage: Stage, num_requests: int) -> None:
     """Every corrupted load was caught, failed and retried; every other load
     verified, none unverified."""

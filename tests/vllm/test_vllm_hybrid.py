@@ -27,10 +27,9 @@ from own_model_pair import (
     assert_caught_and_retried,
     covered_groups,
     ensure_model,
-    local_answers,
     start_pair,
     stop_pair,
-    through_proxy,
+    through_proxy_as_alone,
 )
 from vllm_client import complete, prompts
 from vllm_servers import WORK_DIR, EngineSpec, Servers
@@ -111,11 +110,11 @@ async def test_both_kinds_of_group_are_checksummed_and_sent(
 async def test_a_corrupted_state_is_caught_and_retried_and_clean_loads_verify(
     http: aiohttp.ClientSession, pair: Servers
 ) -> None:
-    expected = await local_answers(http, pair.engine(PRODUCER).url, PROMPTS, MAX_TOKENS)
-    stage = await through_proxy(http, pair, PROMPTS, MAX_TOKENS, "hybrid-retry")
+    stage = await through_proxy_as_alone(
+        http, pair, PROMPTS, MAX_TOKENS, "hybrid-retry"
+    )
     # Each request's first load had its state corrupted; its retry, a clean
-    # load, verified (both groups compared) and answers as one instance.
-    assert stage.answers == expected
+    # load, verified (both groups compared) and answered as one instance.
     assert_caught_and_retried(stage, len(PROMPTS))
     consumer = pair.engine(CONSUMER)
     # Only states were corrupted: layer 0 is the Mamba2 mixer.
