@@ -72,13 +72,13 @@ NIXL_STALL_S = 90.0
 # logs each minute it waits. A start whose log is silent longer than
 # START_SILENT_S is restarted once, like a NIXL stall.
 START_SILENT_S = 150.0
-# The warm-up request is an instance's first forward. A tensor-parallel
-# instance's warm-up stalled (its engine core's "No available shared memory
-# broadcast block" each minute: waiting over a minute for its workers' reply
-# to a step) in 3 of about 90 starts of TP-2 instances here, with KVGuard;
-# about 30 with plain NIXL did not. A warm-up unanswered for WARM_UP_STALL_S
-# is a stalled start, restarted once, with where its threads wait in the
-# startup summary.
+# The warm-up request is an instance's first forward. A TP-2 instance's
+# warm-up went unanswered in 5 of about 150 starts here with KVGuard (none of
+# about 30 with plain NIXL): twice its engine core waited over a minute for
+# its workers' reply to a step ("No available shared memory broadcast block"
+# each minute), twice every process was idle when looked at. A warm-up
+# unanswered for WARM_UP_STALL_S is a stalled start, restarted once, with
+# where its threads wait in the startup summary.
 WARM_UP_STALL_S = 90.0
 
 # (server, seconds from launch to /health) of every start, for the summary.
