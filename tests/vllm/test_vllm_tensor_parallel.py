@@ -46,7 +46,8 @@ PROMPTS = prompts(4, seed=31)
 _CHECKSUMS = re.compile(
     r"\(Worker(?:_TP(\d))? pid=\d+\) .* KVGuard checksums 2 KV layers"
 )
-# A rank per core.
+# OpenMP bound a rank per core (vLLM's NIXL worker then moves each rank's
+# main thread to the last core: docs/vllm.md).
 _TP2 = {
     "env": (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),),
     "args": ("--tensor-parallel-size", "2"),
