@@ -20,8 +20,10 @@ The workers learn the mode from each step's metadata (``hold_loads``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -50,6 +55,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from engine_patch.log import get_logger
 from engine_patch.vllm._logging import use_vllm_handlers
 from engine_patch.vllm.config import (
+    KVGuardConfigError,
     KVGuardSettings,
     inner_connector_class,
     inner_vllm_config,
@@ -90,6 +96,32 @@ def _same_step_scheduler(vllm_config: VllmConfig) -> bool:
     return bool(getattr(configured, SAME_STEP_VERDICTS_ATTR, False))
 
 
+# Why KVGuard refuses to be one of a MultiConnector's connectors.
+INSIDE_MULTI_CONNECTOR = (
+    "KVGuardConnector is one of a MultiConnector's connectors: from there it "
+    "cannot verify the KV its sibling connectors load, and vLLM's scheduler "
+    "finds no KVGuard to verify loads with. Put KVGuard around the "
+    'MultiConnector instead: "kv_connector": "KVGuardConnector", '
+    '"kv_connector_module_path": "engine_patch.vllm", and '
+    '"kv_connector_extra_config": {"inner": {"kv_connector": '
+    '"MultiConnector", "kv_connector_extra_config": {"connectors": '
+    "[...]}}} (or set kv_checksums.enabled to false)"
+)
+
+
+def _built_by_multi_connector() -> bool:
+    """Whether the connector being built is one of a MultiConnector's
+    ``connectors``: MultiConnector's ``__init__`` is among its callers
+    (vLLM gives a child no other sign of its parent)."""
+    parent_init = MultiConnector.__init__.__code__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is parent_init:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
     """Checksums the KV the inner connector transfers: a producer's prompt
     KV into its ``kv_transfer_params["kv_checksums"]``, a consumer's loads
@@ -97,9 +129,10 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
 
     Raises:
         KVGuardConfigError: At startup, if ``kv_connector_extra_config`` is
-            invalid, the inner connector cannot be loaded, or it lacks the
+            invalid, the inner connector cannot be loaded, it lacks the
             hybrid KV cache manager's support for a KV cache that manager
-            lays out (``without_hybrid_manager``).
+            lays out (``without_hybrid_manager``), or checksums are on and
+            KVGuard is built inside a MultiConnector rather than around it.
     """
 
     # Whether ``fault_injection`` is read (the fault-injection subclass).
@@ -114,6 +147,8 @@ class KVGuardConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         use_vllm_handlers()
         self._settings = self._parse(vllm_config)
+        if self._settings.kv_checksums.enabled and _built_by_multi_connector():
+            raise KVGuardConfigError(INSIDE_MULTI_CONNECTOR)
         inner_config = inner_vllm_config(vllm_config, self._settings)
         assert inner_config.kv_transfer_config is not None
         self._inner_ktc = inner_config.kv_transfer_config

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
 )
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -36,7 +37,7 @@ from engine_patch.vllm.config import (
     inner_transfer_config,
     parse_settings,
 )
-from engine_patch.vllm.connector import KVGuardConnector
+from engine_patch.vllm.connector import INSIDE_MULTI_CONNECTOR, KVGuardConnector
 from engine_patch.vllm.fault import flip_bit
 from engine_patch.vllm.scheduler import KVGuardScheduler
 from engine_patch.vllm.stats import KVGuardConnectorStats
@@ -239,13 +240,76 @@ def test_an_inner_lacking_hybrid_support_is_refused_where_the_manager_counts(
         KVGuardConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
-async def test_a_server_with_a_bad_config_refuses_to_start_and_says_why() -> None:
-    spec = EngineSpec("consumer")
-    server = VllmServer("bad-config", free_port(), WORK_DIR / "logs" / "bad-config.log")
+def kvguard_inside_multi_connector(role: str, *, enabled: bool) -> dict[str, Any]:
+    """A MultiConnector whose first connector is KVGuard (around NIXL): the
+    nesting KVGuard's docs warn against."""
+    kvguard = {
+        "kv_connector": "KVGuardConnector",
+        "kv_connector_module_path": "engine_patch.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"kv_checksums": {"enabled": enabled}},
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {
+            "connectors": [kvguard, {"kv_connector": "NixlConnector", "kv_role": role}]
+        },
+    }
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kvguard_inside_a_multi_connector_is_refused_while_checksums_are_on(
+    role: str,
+) -> None:
+    config = vllm_config(role, connector="NixlConnector")
+    config.kv_transfer_config = KVTransferConfig(
+        **kvguard_inside_multi_connector(role, enabled=True)
+    )
+    # vLLM's own scheduler builds the MultiConnector, which builds KVGuard.
+    with pytest.raises(
+        KVGuardConfigError, match="one of a MultiConnector's connectors"
+    ):
+        make_scheduler(Scheduler, config)
+
+
+def test_kvguard_inside_a_multi_connector_builds_with_checksums_off() -> None:
+    role = "kv_consumer"
+    config = vllm_config(role, connector="NixlConnector")
+    config.kv_transfer_config = KVTransferConfig(
+        **kvguard_inside_multi_connector(role, enabled=False)
+    )
+    connector = make_scheduler(Scheduler, config).connector
+    assert isinstance(connector, MultiConnector)
+    assert isinstance(connector.sub_connectors[0], KVGuardConnector)
+
+
+def bad_configs() -> dict[str, tuple[dict[str, Any], str]]:
+    """Per case, a consumer's --kv-transfer-config KVGuard refuses, and what
+    its refusal says."""
+    misspelt = EngineSpec("consumer").kv_transfer_config()
+    misspelt["kv_connector_extra_config"]["kv_checksums"]["fail_closd"] = True
+    return {
+        "unknown-key": (misspelt, "unknown key kv_checksums.fail_closd"),
+        "inside-multi-connector": (
+            kvguard_inside_multi_connector("kv_consumer", enabled=True),
+            INSIDE_MULTI_CONNECTOR,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_configs()))
+async def test_a_server_with_a_bad_config_refuses_to_start_and_says_why(
+    case: str,
+) -> None:
+    config, reason = bad_configs()[case]
+    server = VllmServer(
+        f"bad-config-{case}", free_port(), WORK_DIR / "logs" / f"bad-config-{case}.log"
+    )
     server.side_port = free_port()
-    config = spec.kv_transfer_config()
-    config["kv_connector_extra_config"]["kv_checksums"]["fail_closd"] = True
-    server.start(spec, kv_transfer_config=config)
+    server.start(EngineSpec("consumer"), kv_transfer_config=config)
     assert server.process is not None
     try:
         returncode = await asyncio.to_thread(server.process.wait, 240)
@@ -254,8 +318,8 @@ async def test_a_server_with_a_bad_config_refuses_to_start_and_says_why() -> Non
         raise
     assert returncode != 0
     assert (
-        "Invalid KVGuard config in --kv-transfer-config: unknown key "
-        "kv_checksums.fail_closd" in server.log_path.read_text()
+        f"Invalid KVGuard config in --kv-transfer-config: {reason}"
+        in server.log_path.read_text()
     )
 
 
