@@ -28,9 +28,9 @@ and p90 over all rounds, each as a ratio to ``off`` (the median of the
 rounds' ratios, with their spread), the median of the per-prompt ratios to
 the same prompt in ``off`` (with their quartiles), the engine steps between
 a load finishing and its first token (every consumer runs its scheduler class
-with a step-counting subclass, ``tests/vllm/step_probe.py``), KVGuard's
-own time per request (scheduler-side, worker checksums, loads held) and
-each round's medians.
+with a step-counting subclass, ``tests/vllm/step_probe.py``), the share of
+decodes in the slow mode (below), KVGuard's own time per request
+(scheduler-side, worker checksums, loads held) and each round's medians.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_pd.py [--requests 40]
         [--rounds 5] [--phases off,on,on+scheduler] [--pollers nice|focus]
@@ -58,7 +58,9 @@ for its KV whenever the producer's poller gets too little of the cores
 (``--pollers nice``, the default, as in the tests). ``--pollers focus``
 gives, for each request, the measured pair's pollers nice 0 (as if each had
 a core, vLLM's advice for production) and every other instance's
-``SCHED_IDLE``, the same for every phase.
+``SCHED_IDLE``, the same for every phase. A decode whose TTFT is over twice
+its phase's 25th percentile is counted in the slow mode: a quarter to a
+third of them under ``nice``, a few percent under ``focus``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ PHASES = ("off", "on", "on+scheduler")
 KEYS = ("prefill_s", "decode_ttft_s", "decode_s")
 # KVGuard's own times in a phase's summary (``per_request``).
 OWN_KEY = re.compile(r"(producer|consumer)_")
+# A decode whose TTFT exceeds this many times its phase's 25th percentile is
+# in the slow mode: it waited for a starved NIXL poller (docs/vllm.md,
+# "Cores and NIXL's progress thread"), whatever the connector.
+SLOW_DECODE_FACTOR = 2.0
 
 
 def phase_specs(phase: str) -> tuple[EngineSpec, EngineSpec]:
@@ -173,6 +179,16 @@ async def pd_request(
 
 def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def slow_share(ttfts: list[float]) -> float:
+    """The share of decodes in the slow mode (``SLOW_DECODE_FACTOR``): how
+    much of a phase's decode TTFT is the pollers' doing, which moves its
+    median by several percent from run to run."""
+    if len(ttfts) < 2:
+        return 0.0
+    threshold = SLOW_DECODE_FACTOR * statistics.quantiles(ttfts, n=4)[0]
+    return sum(t > threshold for t in ttfts) / len(ttfts)
 
 
 async def kvguard_stats(
@@ -343,6 +359,7 @@ def summarize(
                 quartiles = statistics.quantiles(paired, n=4)
                 entry[f"{k}_paired_ratio"] = quartiles[1]
                 entry[f"{k}_paired_ratio_quartiles"] = [quartiles[0], quartiles[2]]
+        entry["decode_slow_share"] = slow_share(values["decode_ttft_s"])
         entry["steps_load_to_first_token"] = dict(
             sorted({n: steps[phase].count(n) for n in set(steps[phase])}.items())
         )
@@ -438,6 +455,9 @@ def print_table(summary: dict[str, Any], phases: list[str]) -> None:
             print(f"{'':<14}paired with off, per prompt (median [p25, p75]): {paired}")
         print(f"{'':<14}steps from load finished to first token: "
               f"{entry['steps_load_to_first_token']}")  # fmt: skip
+        print(f"{'':<14}decodes in the slow mode (TTFT over "
+              f"{SLOW_DECODE_FACTOR:g}x the phase's p25): "
+              f"{entry['decode_slow_share']:.0%}")  # fmt: skip
 
 
 # ------------------------------------------------------------ scheduler cost

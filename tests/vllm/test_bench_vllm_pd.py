@@ -175,6 +175,25 @@ def test_combine_pools_the_rounds_of_several_runs(tmp_path: Path) -> None:
     assert phases == ["off", "on+scheduler", "on+scheduler+unchecked"]
 
 
+def test_the_share_of_decodes_in_the_slow_mode_is_reported() -> None:
+    bench = _load_bench()
+    fast = [0.025, 0.026, 0.027, 0.028, 0.029, 0.030]
+    ttfts = {"off": [*fast, 0.2, 0.9], "on+scheduler": [*fast, 0.031, 0.045]}
+    samples = {
+        phase: [[{**dict.fromkeys(bench.KEYS, 0.02), "decode_ttft_s": t} for t in ts]]
+        for phase, ts in ttfts.items()
+    }
+    summary = bench.summarize(
+        list(samples),
+        samples,
+        {"off": [{}], "on+scheduler": [{}]},
+        {"off": [1], "on+scheduler": [1]},
+    )
+    # Slow: over twice the phase's p25 TTFT (about 26 ms in both).
+    assert summary["off"]["decode_slow_share"] == pytest.approx(2 / 8)
+    assert summary["on+scheduler"]["decode_slow_share"] == 0.0
+
+
 def test_every_round_sends_each_prompt_at_the_warm_up_rounds_token_count() -> None:
     # An engine's first prefill of a prompt length is slow: a measured round
     # must send only lengths the warm-up round sent, even past round 9.
