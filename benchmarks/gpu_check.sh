@@ -33,10 +33,10 @@ stage() {
     tail -n 25 "$out/$name.log"
 }
 
-stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+stage env 45 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
 python3 -c "import sys, torch, numpy, msgspec; print(sys.version.split()[0], torch.__version__, numpy.__version__, msgspec.__version__, torch.cuda.get_device_name())"'
-stage eager 150 "${bench[@]}" --modes eager --parts large
-stage compiled 240 "${bench[@]}" --modes compiled --parts large
-stage small 150 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
+stage eager 120 "${bench[@]}" --modes eager --parts large
+stage compiled 250 "${bench[@]}" --modes compiled --parts large
+stage small 130 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
 echo "== summary"
 grep -h "device check\|FAILED\|^fused\|Error" "$out"/*.log
