@@ -80,16 +80,24 @@ RowSums = Callable[
 ]
 
 
-def compile_default() -> bool:
+def compile_default(device: torch.device | None = None) -> bool:
     """Whether the fused kernel is used where the caller leaves it open:
-    ``KVGUARD_CHECKSUM_COMPILE`` (``1``/``true``/``yes``), off by default.
+    ``KVGUARD_CHECKSUM_COMPILE`` (``1``/``true``/``yes`` or
+    ``0``/``false``/``no``) where set; else on for accelerators and off for
+    CPUs (``device`` None: a CPU).
 
-    Eager is the default because the fused kernel's one-off compile (about
-    20 s on a CPU, seconds with a warm cache) would otherwise land on the
-    first request; the numbers behind the choice are in
-    ``benchmarks/bench_checksum.py``.
+    On a CPU eager is the default because the fused kernel's one-off build
+    (10-30 s per row shape) gains little on an engine's small passes. On a
+    GPU the fused kernel reads large KV about 8x as fast as the eager chain
+    of ops and small passes a little faster (an H100,
+    ``benchmarks/gpu_check.sh``), and compiles in seconds at warm-up.
     """
-    return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes")
+    value = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return device is not None and device.type != "cpu"
 
 
 _cache_dir: str | None = None

@@ -876,10 +876,12 @@ class KVChecksumWorker:
     checksum into one pass over the KV with ``torch.compile`` (compiled on
     first use, or by :meth:`warm_up`; same values; its speed against eager is
     what ``benchmarks/bench_checksum.py`` measures); None asks
-    ``checksum_kernel.compile_default``. On a CPU an eager pass runs in numpy
-    (``host_pass``, the default; False keeps it in torch's ops, as on
-    accelerators): in an engine each call of a pass runs with cold caches,
-    where a call into torch costs several times one into numpy.
+    ``checksum_kernel.compile_default`` (on for accelerators, off for
+    CPUs, unless ``KVGUARD_CHECKSUM_COMPILE`` says). On a CPU an eager
+    pass runs in numpy (``host_pass``, the default; False keeps it in
+    torch's ops, as on accelerators): in an engine each call of a pass runs
+    with cold caches, where a call into torch costs several times one into
+    numpy.
     ``max_scratch_bytes`` bounds the memory one chunk of a pass uses (never
     less than one block of one layer).
 
@@ -917,7 +919,9 @@ class KVChecksumWorker:
         self._pp_rank = pp_rank
         self._max_scratch = max_scratch_bytes
         self._compile = (
-            checksum_kernel.compile_default() if compile is None else compile
+            checksum_kernel.compile_default(self._device)
+            if compile is None
+            else compile
         )
         self._host_pass = host_pass and self._device.type == "cpu"
         self._groups: dict[int, _GroupPlan] = {}

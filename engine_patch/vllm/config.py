@@ -63,13 +63,14 @@ class ChecksumSettings(_Settings):
     and lets the request decode.
     ``compile``: run the worker's checksum as one fused kernel (on CPUs an
     AOTInductor package, built once per machine), prepared when the KV
-    cache is registered (into ``$VLLM_CACHE_ROOT/kvguard``).
+    cache is registered (into ``$VLLM_CACHE_ROOT/kvguard``); unset: on for
+    GPUs, off for CPUs, unless ``KVGUARD_CHECKSUM_COMPILE`` says.
     """
 
     # Strict: "off" or 0 must not turn checksums off without a word.
     enabled: StrictBool = True
     fail_closed: StrictBool = True
-    compile: StrictBool = False
+    compile: StrictBool | None = None
 
 
 class FaultSettings(_Settings):

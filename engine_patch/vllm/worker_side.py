@@ -156,7 +156,7 @@ class KVGuardWorker:
             ", ".join(f"{g}: {kind}" for g, kind in sorted(kinds.items())),
             sorted(self._checksums.skipped_groups),
         )
-        if self._settings.kv_checksums.compile:
+        if self._checksums.compiled:
             self._warm_up(self._checksums)
 
     @staticmethod

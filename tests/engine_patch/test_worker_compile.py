@@ -150,13 +150,26 @@ def test_compiled_state_checksums_equal_eager() -> None:
     assert all((got[r] == expected[r]).all() for r in blocks)
 
 
+def test_the_fused_kernel_is_the_default_on_accelerators_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(checksum_kernel.COMPILE_ENV, raising=False)
+    assert checksum_kernel.compile_default(torch.device("cuda"))
+    assert not checksum_kernel.compile_default(torch.device("cpu"))
+    assert not checksum_kernel.compile_default()
+    # A worker on a device (meta: no kernel runs) takes that default.
+    kv = make_kv(KVLayout.SPLIT, torch.bfloat16, "contiguous").to("meta")
+    assert KVChecksumWorker([KVLayer("a", 0, 0, kv, KVLayout.SPLIT)]).compiled
+    cpu_kv = make_kv(KVLayout.SPLIT, torch.bfloat16, "contiguous")
+    assert not KVChecksumWorker([KVLayer("a", 0, 0, cpu_kv, KVLayout.SPLIT)]).compiled
+
+
 def test_compile_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(checksum_kernel.COMPILE_ENV, "1")
-    assert checksum_kernel.compile_default()
-    monkeypatch.setenv(checksum_kernel.COMPILE_ENV, "0")
-    assert not checksum_kernel.compile_default()
-    monkeypatch.delenv(checksum_kernel.COMPILE_ENV)
-    assert not checksum_kernel.compile_default()
+    for device in (None, torch.device("cpu"), torch.device("cuda")):
+        monkeypatch.setenv(checksum_kernel.COMPILE_ENV, "1")
+        assert checksum_kernel.compile_default(device)
+        monkeypatch.setenv(checksum_kernel.COMPILE_ENV, "0")
+        assert not checksum_kernel.compile_default(device)
 
 
 def test_the_kernel_compiles_into_the_cache_dir_it_is_given(

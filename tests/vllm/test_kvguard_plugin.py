@@ -65,6 +65,8 @@ def test_defaults_wrap_nixl_with_fail_closed_checksums() -> None:
     assert settings.kv_checksums.enabled
     # Fail-open is an explicit opt-in, for rollouts.
     assert settings.kv_checksums.fail_closed
+    # Unset: the worker's device decides (fused on GPUs, eager on CPUs).
+    assert settings.kv_checksums.compile is None
     assert settings.fault_injection is None
 
 
@@ -99,6 +101,7 @@ def test_inner_config_inherits_role_engine_and_failure_policy() -> None:
         # Strict: no word may switch checksums off.
         ({"kv_checksums": {"enabled": "off"}}, False, "kv_checksums.enabled"),
         ({"kv_checksums": {"fail_closed": 0}}, False, "kv_checksums.fail_closed"),
+        ({"kv_checksums": {"compile": "auto"}}, False, "kv_checksums.compile"),
         ({"inner": {}}, False, "inner.kv_connector must name the real connector"),
         (
             {"inner": {"kv_connector": "KVGuardConnector"}},
