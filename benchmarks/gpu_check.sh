@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checksum worker's GPU figures (issue 8) in one call on a CUDA machine:
 # values checked against the CPU's (and no host sync in a step), then the
-# large-KV throughput, eager and compiled, then small requests. Each stage
+# large-KV throughput, eager and compiled, then small requests, then the
+# candidate forms of the fused kernel side by side. Each stage
 # runs under its own time limit and a failed one does not stop the next:
 # a lent GPU's minutes are few.
 #
@@ -33,10 +34,13 @@ stage() {
     tail -n 25 "$out/$name.log"
 }
 
-stage env 45 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
 python3 -c "import sys, torch, numpy, msgspec; print(sys.version.split()[0], torch.__version__, numpy.__version__, msgspec.__version__, torch.cuda.get_device_name())"'
-stage eager 120 "${bench[@]}" --modes eager --parts large
-stage compiled 250 "${bench[@]}" --modes compiled --parts large
-stage small 130 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
+stage eager 90 "${bench[@]}" --modes eager --parts large
+stage compiled 150 "${bench[@]}" --modes compiled --parts large
+stage small 90 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
+stage forms 200 python3 benchmarks/bench_kernel_forms.py --device "${DEVICE:-cuda}" \
+    --kv-gib "${KV_GIB:-16}"
 echo "== summary"
 grep -h "device check\|FAILED\|^fused\|Error" "$out"/*.log
+grep -h -A6 "^form " "$out/forms.log"
