@@ -255,7 +255,8 @@ class EngineSpec:
     connector: Literal["nixl", "kvguard", "faults"] = "kvguard"
     checksums: bool = True
     fail_closed: bool = True
-    compile: bool = False
+    # None: KVGuard's default (eager on these CPUs), with no "compile" key.
+    compile: bool | None = None
     policy: Literal["fail", "recompute"] = "fail"
     faults: tuple[tuple[str, Any], ...] = ()
     scheduler_class: bool = True
@@ -300,9 +301,10 @@ class EngineSpec:
             "kv_checksums": {
                 "enabled": self.checksums,
                 "fail_closed": self.fail_closed,
-                "compile": self.compile,
             },
         }
+        if self.compile is not None:
+            extra["kv_checksums"]["compile"] = self.compile
         name = "KVGuardConnector"
         if self.connector == "faults":
             name = "KVGuardFaultInjectionConnector"
