@@ -407,6 +407,30 @@ def bench_worker(
     )
 
 
+def check_layers(
+    layout: KVLayout, dtype: torch.dtype, device: torch.device
+) -> tuple[list[KVLayer], list[KVLayer]]:
+    """Two layers of random KV in ``layout`` and ``dtype`` (their heads from
+    the 4th of the model's) on the CPU, and the same on ``device``: a
+    device's values checked against the CPU's."""
+    cpu_layers = [
+        KVLayer(
+            layer.name,
+            layer.index,
+            0,
+            layer.kv.view(torch.uint8).view(dtype),
+            layout,
+            head_offset=3,
+        )
+        for layer in make_layers(torch.device("cpu"), 2 << 20, 2, layout)
+    ]
+    dev_layers = [
+        KVLayer(layer.name, layer.index, 0, layer.kv.to(device), layout, head_offset=3)
+        for layer in cpu_layers
+    ]
+    return cpu_layers, dev_layers
+
+
 def check_device(device: torch.device, compiles: list[bool]) -> list[str]:
     """On an accelerator: whether the worker's values equal the CPU's (in
     each of ``compiles``) over every layout and dtype, and (CUDA) whether a
@@ -418,28 +442,7 @@ def check_device(device: torch.device, compiles: list[bool]) -> list[str]:
     failures: list[str] = []
     for layout in KVLayout:
         for dtype in dtypes:
-            cpu_layers = [
-                KVLayer(
-                    layer.name,
-                    layer.index,
-                    0,
-                    layer.kv.view(torch.uint8).view(dtype),
-                    layout,
-                    head_offset=3,
-                )
-                for layer in make_layers(torch.device("cpu"), 2 << 20, 2, layout)
-            ]
-            dev_layers = [
-                KVLayer(
-                    layer.name,
-                    layer.index,
-                    0,
-                    layer.kv.to(device),
-                    layout,
-                    head_offset=3,
-                )
-                for layer in cpu_layers
-            ]
+            cpu_layers, dev_layers = check_layers(layout, dtype, device)
             num_blocks = len(make_blocks_ids(cpu_layers[0]))
             ids = rng.permutation(num_blocks)[: num_blocks // 2].tolist()
             blocks = KVChecksumBlocks((2 + len(ids)) * BLOCK_SIZE - 5, {0: (2, ids)})

@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,20 +57,12 @@ torch._dynamo.config.recompile_limit = 64
 
 def _rows_dynamic(kernel: RowSums) -> RowSums:
     """``kernel`` with only the source's rows, the row ids and the blocks
-    dynamic."""
+    (arguments 0, 1 and 4) dynamic."""
 
-    def call(
-        src: torch.Tensor,
-        rows: torch.Tensor,
-        piece_weights: torch.Tensor,
-        head_weights: torch.Tensor,
-        positions: torch.Tensor,
-        spans: int,
-        dims: tuple[int, int, int, int],
-    ) -> torch.Tensor:
-        for tensor in (src, rows, positions):
+    def call(*args: Any) -> torch.Tensor:
+        for tensor in (args[0], args[1], args[4]):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return kernel(src, rows, piece_weights, head_weights, positions, spans, dims)
+        return kernel(*args)
 
     return call
 
@@ -291,28 +284,7 @@ def check_form(device: torch.device, dtypes: list[torch.dtype]) -> list[str]:
     failures = []
     for layout in KVLayout:
         for dtype in dtypes:
-            cpu_layers = [
-                KVLayer(
-                    layer.name,
-                    layer.index,
-                    0,
-                    layer.kv.view(torch.uint8).view(dtype),
-                    layout,
-                    head_offset=3,
-                )
-                for layer in bc.make_layers(torch.device("cpu"), 1 << 20, 2, layout)
-            ]
-            device_layers = [
-                KVLayer(
-                    layer.name,
-                    layer.index,
-                    0,
-                    layer.kv.to(device),
-                    layout,
-                    head_offset=3,
-                )
-                for layer in cpu_layers
-            ]
+            cpu_layers, device_layers = bc.check_layers(layout, dtype, device)
             num_blocks = len(bc.make_blocks_ids(cpu_layers[0]))
             ids = rng.permutation(num_blocks)[: num_blocks // 2].tolist()
             blocks = {
