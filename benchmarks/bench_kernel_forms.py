@@ -19,6 +19,12 @@ fails, is reported and not timed. Forms:
   dynamic (``maybe_mark_dynamic``): a row's dims are constants.
 - ``by span``: one weighted sum per block and span (the CPU package's form,
   ``block_row_sums``), rows static.
+- ``pieces first``: every dim dynamic as now, but a cell's pieces summed
+  before its parts (two reductions over one dim each, as the eager pass).
+  Inductor's Triton code for ``now`` splits each element's reduction index
+  into part and piece by divisions by a runtime size, in the inner loop;
+  for this form, and for ``static rows``, it divides by none there
+  (``TORCH_LOGS=output_code`` shows the code).
 - ``triton``: a hand-written Triton kernel, one program per block, member
   and span (only where Triton is installed; under ``TRITON_INTERPRET=1`` it
   runs on a CPU, slowly, for its values).
@@ -84,6 +90,26 @@ def by_span(
     )
 
 
+def pieces_first(
+    src: torch.Tensor,
+    rows: torch.Tensor,
+    piece_weights: torch.Tensor,
+    head_weights: torch.Tensor,
+    positions: torch.Tensor,
+    spans: int,
+    dims: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """:func:`checksum_kernel.row_sums` summing a cell's pieces, then its
+    parts, as the eager pass does: the reduced dim is contiguous, so with
+    every dim dynamic the inner loop still divides by no runtime size."""
+    parts, tokens, heads, pieces = dims
+    weighted = checksum_kernel.mix(src[rows]) * piece_weights
+    per_cell = weighted.sum(dim=max(parts, pieces)).sum(dim=min(parts, pieces))
+    return checksum_kernel._block_sums(
+        per_cell, head_weights, positions, spans, tokens > heads
+    )
+
+
 def form_now() -> RowSums:
     """The workers' own kernel, built afresh."""
     checksum_kernel._compiled = None
@@ -100,10 +126,15 @@ def form_by_span() -> RowSums:
     return _rows_dynamic(torch.compile(by_span))
 
 
+def form_pieces_first() -> RowSums:
+    return torch.compile(pieces_first, dynamic=True)
+
+
 FORMS: dict[str, Callable[[], RowSums]] = {
     "now": form_now,
     "static rows": form_static_rows,
     "by span": form_by_span,
+    "pieces first": form_pieces_first,
 }
 
 try:

@@ -40,8 +40,8 @@ def run_forms(forms: str, env: dict[str, str] | None = None) -> str:
 
 
 def test_each_torch_form_gives_the_workers_values_and_a_figure() -> None:
-    out = run_forms("now,static rows,by span")
-    for form in ("now", "static rows", "by span"):
+    out = run_forms("now,static rows,by span,pieces first")
+    for form in ("now", "static rows", "by span", "pieces first"):
         assert re.search(rf"^{form} +same +\d+ +[\d.]+ ", out, re.M), out
 
 
