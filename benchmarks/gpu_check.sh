@@ -6,7 +6,8 @@
 # runs under its own time limit and a failed one does not stop the next:
 # a lent GPU's minutes are few.
 #
-#     bash benchmarks/gpu_check.sh [OUT_DIR]    # logs in OUT_DIR (or $OUT)
+#     bash benchmarks/gpu_check.sh [OUT_DIR]    # logs in OUT_DIR (or $OUT),
+#                                               # inductor's kernels in kernels.tgz
 #     DEVICE=cpu bash benchmarks/gpu_check.sh    # a dry run of the script
 #
 # Needs torch with CUDA, numpy and msgspec; where msgspec is missing, wheels
@@ -22,6 +23,8 @@ if ! python3 -c "import msgspec" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/nu
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+# Inductor's generated kernels come back with the logs (kernels.tgz).
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/kvguard-inductor}
 bench=(python3 benchmarks/bench_checksum.py --device "${DEVICE:-cuda}" --baseline "" --check)
 
 stage() {
@@ -41,6 +44,8 @@ stage compiled 150 "${bench[@]}" --modes compiled --parts large
 stage small 90 "${bench[@]}" --modes eager,compiled --parts small --small-reps 100
 stage forms 200 python3 benchmarks/bench_kernel_forms.py --device "${DEVICE:-cuda}" \
     --kv-gib "${KV_GIB:-16}"
+find "$TORCHINDUCTOR_CACHE_DIR" -name "*.py" -print0 2>/dev/null |
+    tar czf "$out/kernels.tgz" --null -T - 2>/dev/null
 echo "== summary"
 grep -h "device check\|FAILED\|^fused\|Error" "$out"/*.log
 grep -h -A6 "^form " "$out/forms.log"
