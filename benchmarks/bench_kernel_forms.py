@@ -12,19 +12,19 @@ path: on a CPU without the numpy host pass). Its values are checked against
 the CPU's eager pass over every layout first; a form that differs, or
 fails, is reported and not timed. Forms:
 
-- ``now``: the workers' kernel, ``torch.compile`` with every dim dynamic: a
-  row's dims become runtime sizes, so each flat index is split into
-  (token, head, piece) by divisions by runtime values.
+- ``now``: the workers' kernel, ``torch.compile`` with every dim dynamic.
+  Inductor's Triton code for it splits each element's reduction index into
+  part and piece by a division by a runtime size, inside its inner loop
+  (``TORCH_LOGS=output_code`` shows the code; ``gpu_check.sh`` brings it
+  back).
 - ``static rows``: the same function with only the block and row counts
-  dynamic (``maybe_mark_dynamic``): a row's dims are constants.
+  dynamic (``maybe_mark_dynamic``): a row's dims are constants, and the
+  divisions are by constants.
 - ``by span``: one weighted sum per block and span (the CPU package's form,
   ``block_row_sums``), rows static.
-- ``pieces first``: every dim dynamic as now, but a cell's pieces summed
-  before its parts (two reductions over one dim each, as the eager pass).
-  Inductor's Triton code for ``now`` splits each element's reduction index
-  into part and piece by divisions by a runtime size, in the inner loop;
-  for this form, and for ``static rows``, it divides by none there
-  (``TORCH_LOGS=output_code`` shows the code).
+- ``pieces first``: every dim dynamic, but a cell's pieces summed before its
+  parts (two reductions over one dim each, as the eager pass): the inner
+  loop reads contiguous pieces and divides by nothing.
 - ``triton``: a hand-written Triton kernel, one program per block, member
   and span (only where Triton is installed; under ``TRITON_INTERPRET=1`` it
   runs on a CPU, slowly, for its values).
