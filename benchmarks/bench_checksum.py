@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -207,6 +207,18 @@ def small_layers(device: torch.device, num_blocks: int) -> list[KVLayer]:
     ]
 
 
+def small_requests(ids: list[int], batch: int) -> dict[str, KVChecksumBlocks]:
+    """``batch`` of the tiny model's requests, each on the next of ``ids``'
+    blocks."""
+    per_request = -(-SMALL_PROMPT // SMALL_BLOCK)
+    return {
+        f"r{i}": KVChecksumBlocks(
+            SMALL_PROMPT, {0: (0, ids[i * per_request : (i + 1) * per_request])}
+        )
+        for i in range(batch)
+    }
+
+
 def step_fn(
     checksums: Any, requests: dict[str, KVChecksumBlocks], send: bool
 ) -> Callable[[], Any]:
@@ -279,26 +291,15 @@ def _bench_small_steps(
     num_blocks: int,
     evict: Callable[[], object] | None,
 ) -> None:
-    blocks_per_request = -(-SMALL_PROMPT // SMALL_BLOCK)
     names = [variant.name for variant in found]
     print(f"{'path':<5} {'batch':>5} " + " ".join(f"{n:>14}" for n in names))
     ratio_rows = []
     rng = np.random.default_rng(0)
     for send in (False, True):
         for batch in batches:
-            ids = rng.permutation(np.arange(1, num_blocks)).tolist()
-            requests = {
-                f"r{i}": KVChecksumBlocks(
-                    SMALL_PROMPT,
-                    {
-                        0: (
-                            0,
-                            ids[i * blocks_per_request : (i + 1) * blocks_per_request],
-                        )
-                    },
-                )
-                for i in range(batch)
-            }
+            requests = small_requests(
+                rng.permutation(np.arange(1, num_blocks)).tolist(), batch
+            )
             fns = [step_fn(w, requests, send) for w in workers]
             expected = [fn() for fn in fns]
             for record in expected[1:]:
@@ -368,6 +369,8 @@ class WorkerFigures:
     step_ms: float
     seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # The load's values (group 0), from its last run.
+    values: np.ndarray | None = None
 
     @property
     def ratio(self) -> float:
@@ -385,14 +388,15 @@ def bench_worker(
     blocks = KVChecksumBlocks(num_blocks * BLOCK_SIZE, {0: (0, block_ids)})
     total_bytes = sum(layer.kv.numel() * layer.kv.element_size() for layer in layers)
     step_times: list[float] = []
+    records: list[KVChecksumRecord | None] = []
 
-    def checksum() -> KVChecksumRecord | None:
+    def checksum() -> None:
         checksums.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
         start = time.perf_counter()
         checksums.on_loads_finished(["r"])
         # What the step spends: on CUDA, only launching (no host sync).
         step_times.append(time.perf_counter() - start)
-        return checksums.take_record()
+        records[:] = [checksums.take_record()]
 
     pieces = [layer.kv.view(torch.int64) for layer in layers]
     sum_s, worker_s = best_times(
@@ -404,6 +408,7 @@ def bench_worker(
         total_bytes / sum_s / 1e9,
         total_bytes / worker_s / 1e9,
         1e3 * min(step_times),
+        values=None if records[0] is None else records[0].checksums["r"][0].values,
     )
 
 
@@ -431,42 +436,83 @@ def check_layers(
     return cpu_layers, dev_layers
 
 
-def check_device(device: torch.device, compiles: list[bool]) -> list[str]:
-    """On an accelerator: whether the worker's values equal the CPU's (in
-    each of ``compiles``) over every layout and dtype, and (CUDA) whether a
-    step's checksum calls never wait for the device. Returns what failed
-    (nothing when all held), so that one failure does not cost the other
-    figures of a lent machine's run."""
+# The dtypes a device's values are checked in.
+CHECK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8)
+
+
+def device_failures(
+    device: torch.device,
+    compiles: list[bool],
+    dtypes: Sequence[torch.dtype] = CHECK_DTYPES,
+    host_pass: bool = True,
+) -> list[str]:
+    """Whether the worker's values on ``device`` equal the CPU's (in each of
+    ``compiles``) over every layout and ``dtypes``, in passes of several
+    requests and of one block, and in :func:`check_mixed_pass`; (CUDA)
+    whether a step's checksum calls never wait for the device; and whether
+    a fused kernel ran rather than fell back to eager. Returns what failed.
+    ``host_pass`` False keeps a CPU's passes in torch's ops, the path
+    devices take."""
     rng = np.random.default_rng(1)
-    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
     failures: list[str] = []
     for layout in KVLayout:
         for dtype in dtypes:
             cpu_layers, dev_layers = check_layers(layout, dtype, device)
             num_blocks = len(make_blocks_ids(cpu_layers[0]))
             ids = rng.permutation(num_blocks)[: num_blocks // 2].tolist()
-            blocks = KVChecksumBlocks((2 + len(ids)) * BLOCK_SIZE - 5, {0: (2, ids)})
-            expected = load(KVChecksumWorker(cpu_layers, compile=False), blocks)
+            blocks = {
+                "a": KVChecksumBlocks((2 + len(ids)) * BLOCK_SIZE - 5, {0: (2, ids)}),
+                # One block: torch.compile specializes a dim of size 1.
+                "b": KVChecksumBlocks(BLOCK_SIZE, {0: (0, [ids[0]])}),
+            }
+            expected = load_all(KVChecksumWorker(cpu_layers, compile=False), blocks)
             for compile in compiles:
                 case = f"{layout.name} {dtype} compile={compile}"
-                worker = KVChecksumWorker(dev_layers, compile=compile)
+                worker = KVChecksumWorker(
+                    dev_layers, compile=compile, host_pass=host_pass
+                )
                 failures += _check_values(
-                    case, partial(load, worker, blocks), expected.__eq__
+                    case, partial(load_all, worker, blocks), _same_values(expected)
                 )
                 failures += _check_no_sync(
-                    case, device, partial(load, worker, blocks, forbid_sync=True)
+                    case, device, partial(load_all, worker, blocks, forbid_sync=True)
                 )
-    failures += check_mixed_pass(device, compiles)
+    failures += check_mixed_pass(device, compiles, host_pass)
+    if any(compiles) and not checksum_kernel.can_compile():
+        failures.append("a fused kernel failed: those passes ran eagerly")
+    return failures
+
+
+def check_device(device: torch.device, compiles: list[bool]) -> list[str]:
+    """On an accelerator: :func:`device_failures`, printed. Returns what
+    failed (nothing when all held), so that one failure does not cost the
+    other figures of a lent machine's run."""
+    failures = device_failures(device, compiles)
     kernels = " and ".join("compiled" if c else "eager" for c in compiles)
     print(
         f"device check: {device} values == CPU values ({kernels}), "
-        f"{len(KVLayout)} layouts x {len(dtypes)} dtypes, and a pass mixing "
+        f"{len(KVLayout)} layouts x {len(CHECK_DTYPES)} dtypes, and a pass mixing "
         "requests, stacked layers, 16-token spans and Mamba states; no host "
         "sync in a step: " + ("all held" if not failures else f"{len(failures)} FAILED")
     )
     for failure in failures:
         print(f"  FAILED: {failure}")
     return failures
+
+
+def _same_values(
+    expected: dict[str, dict[int, np.ndarray]],
+) -> Callable[[dict[str, dict[int, np.ndarray]]], bool]:
+    """Whether a pass's values (:func:`load_all`) are ``expected``."""
+
+    def equal(got: dict[str, dict[int, np.ndarray]]) -> bool:
+        return all(
+            (got[req_id][group_id] == values).all()
+            for req_id, groups in expected.items()
+            for group_id, values in groups.items()
+        )
+
+    return equal
 
 
 def _check_values(
@@ -547,10 +593,13 @@ def mixed_layers(
     ]
 
 
-def check_mixed_pass(device: torch.device, compiles: list[bool]) -> list[str]:
+def check_mixed_pass(
+    device: torch.device, compiles: list[bool], host_pass: bool = True
+) -> list[str]:
     """Whether one pass over requests of all three groups of
     :func:`mixed_layers` gives the CPU's values on ``device`` (in each of
-    ``compiles``) without a host sync (CUDA); what failed."""
+    ``compiles``; ``host_pass`` as :func:`device_failures`) without a host
+    sync (CUDA); what failed."""
     gen = torch.Generator().manual_seed(2)
 
     def random_bytes(*shape: int) -> torch.Tensor:
@@ -574,20 +623,12 @@ def check_mixed_pass(device: torch.device, compiles: list[bool]) -> list[str]:
         )
         for i in range(6)
     }
-    expected = load_all(cpu, blocks)
-
-    def equal(got: dict[str, dict[int, np.ndarray]]) -> bool:
-        return all(
-            (got[req_id][group_id] == values).all()
-            for req_id, groups in expected.items()
-            for group_id, values in groups.items()
-        )
-
+    equal = _same_values(load_all(cpu, blocks))
     failures: list[str] = []
     for compile in compiles:
         case = f"mixed pass compile={compile}"
         checksums = KVChecksumWorker(
-            mixed_layers(*on_device), tp_rank=1, compile=compile
+            mixed_layers(*on_device), tp_rank=1, compile=compile, host_pass=host_pass
         )
         failures += _check_values(case, partial(load_all, checksums, blocks), equal)
         failures += _check_no_sync(
@@ -621,24 +662,6 @@ def load_all(
 
 def make_blocks_ids(layer: KVLayer) -> range:
     return range(layer.kv.shape[1 if layer.layout is KVLayout.SPLIT else 0])
-
-
-def load(
-    worker: KVChecksumWorker, blocks: KVChecksumBlocks, *, forbid_sync: bool = False
-) -> np.ndarray:
-    """A consumer load's values; ``forbid_sync`` makes CUDA raise if the
-    step's part (``on_loads_finished``) waits for the device."""
-    worker.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
-    if forbid_sync:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        worker.on_loads_finished(["r"])
-    finally:
-        if forbid_sync:
-            torch.cuda.set_sync_debug_mode("default")
-    record = worker.take_record()
-    assert record is not None
-    return record.checksums["r"][0].values
 
 
 # As vLLM's KVCacheBlock: a slots dataclass, whose attributes read as fast.

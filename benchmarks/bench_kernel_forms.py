@@ -8,9 +8,11 @@ H200; the form the workers run reached 706 GB/s on an H100, where
 
 Each form is a function of the worker's kernel signature
 (``checksum_kernel.RowSums``) and runs inside a real worker (the device
-path: on a CPU without the numpy host pass). Its values are checked against
-the CPU's eager pass over every layout first; a form that differs, or
-fails, is reported and not timed. Forms:
+path: on a CPU without the numpy host pass). Its values are checked first,
+by ``bench_checksum.device_failures`` (the CPU's eager values over every
+layout and a mixed pass, no host sync on CUDA); a form that differs, or
+fails, is reported and not timed. Its GB/s are measured interleaved with
+``torch.sum`` of the same bytes. Forms:
 
 - ``now``: the workers' kernel, ``torch.compile`` with every dim dynamic.
   Inductor's Triton code for it splits each element's reduction index into
@@ -50,9 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_checksum as bc
 
-from engine_patch import checksum_kernel
-from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
-from engine_patch.worker import KVChecksumWorker, KVLayer, KVLayout
+from engine_patch import checksum_kernel, worker
+from engine_patch.worker import KVLayout
 
 RowSums = checksum_kernel.RowSums
 
@@ -302,108 +303,20 @@ def use_form(form: RowSums) -> None:
     checksum_kernel._compile_failed = False
 
 
-def device_worker(layers: list[KVLayer]) -> KVChecksumWorker:
-    """A compiled worker on the layers' device path (no host pass)."""
-    return KVChecksumWorker(layers, compile=True, host_pass=False)
-
-
-def check_form(device: torch.device, dtypes: list[torch.dtype]) -> list[str]:
-    """The installed form's values against the CPU's eager pass over every
-    layout and ``dtypes``, several requests' blocks in random order: what
-    differed or failed."""
-    rng = np.random.default_rng(1)
-    failures = []
-    for layout in KVLayout:
-        for dtype in dtypes:
-            cpu_layers, device_layers = bc.check_layers(layout, dtype, device)
-            num_blocks = len(bc.make_blocks_ids(cpu_layers[0]))
-            ids = rng.permutation(num_blocks)[: num_blocks // 2].tolist()
-            blocks = {
-                "a": KVChecksumBlocks(
-                    (2 + len(ids)) * bc.BLOCK_SIZE - 5, {0: (2, ids)}
-                ),
-                "b": KVChecksumBlocks(bc.BLOCK_SIZE, {0: (0, [ids[0]])}),
-            }
-            case = f"{layout.name} {dtype}"
-            expected = bc.load_all(KVChecksumWorker(cpu_layers, compile=False), blocks)
-            try:
-                got = bc.load_all(device_worker(device_layers), blocks)
-            except Exception as e:  # a form may fail in many ways
-                failures.append(f"{case}: {type(e).__name__}: {e}"[:300])
-                continue
-            if (
-                not all((got[r][0] == expected[r][0]).all() for r in blocks)
-                or not checksum_kernel.can_compile()
-            ):
-                failures.append(f"{case}: values differ")
-    return failures
-
-
-def sync(device: torch.device) -> None:
-    bc.sync(device)
-
-
-def seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """The fastest of ``reps`` timed runs of ``fn`` after one untimed."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def large_gbs(
-    layers: list[KVLayer], device: torch.device, reps: int
-) -> tuple[float, float, np.ndarray]:
-    """GB/s of one load of every block of ``layers`` (random order), the
-    step's own ms (launches, on CUDA) and the load's values."""
-    worker = device_worker(layers)
-    num_blocks = layers[0].kv.shape[1]
-    ids = np.random.default_rng(0).permutation(num_blocks).tolist()
-    blocks = KVChecksumBlocks(num_blocks * bc.BLOCK_SIZE, {0: (0, ids)})
-    total = sum(layer.kv.numel() * layer.kv.element_size() for layer in layers)
-    steps: list[float] = []
-    values: list[np.ndarray] = []
-
-    def load() -> None:
-        worker.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
-        start = time.perf_counter()
-        worker.on_loads_finished(["r"])
-        steps.append(time.perf_counter() - start)
-        record = worker.take_record()
-        assert record is not None
-        values.append(record.checksums["r"][0].values)
-
-    best = seconds(load, device, reps)
-    return total / best / 1e9, 1e3 * min(steps[1:]), values[0]
+# A compiled worker on the device path (on a CPU, no numpy host pass).
+FORM = bc.Variant("form", worker, compile=True, host_pass=False)
 
 
 def small_ms(device: torch.device, reps: int) -> dict[int, float]:
     """Median ms of a step loading 1 and 16 of the tiny model's requests."""
     per_request = -(-bc.SMALL_PROMPT // bc.SMALL_BLOCK)
     num_blocks = per_request * 16 + 1
-    worker = device_worker(bc.small_layers(device, num_blocks))
+    checksums = FORM.worker(bc.small_layers(device, num_blocks))
     ids = np.random.default_rng(0).permutation(np.arange(1, num_blocks)).tolist()
     medians = {}
     for batch in (1, 16):
-        requests = {
-            f"r{i}": KVChecksumBlocks(
-                bc.SMALL_PROMPT, {0: (0, ids[i * per_request : (i + 1) * per_request])}
-            )
-            for i in range(batch)
-        }
-        step = bc.step_fn(worker, requests, send=False)
-        step()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times.append(time.perf_counter() - start)
+        step = bc.step_fn(checksums, bc.small_requests(ids, batch), send=False)
+        (times,) = bc.interleaved_times([step], device, reps)
         medians[batch] = 1e3 * statistics.median(times)
     return medians
 
@@ -429,42 +342,38 @@ def main() -> None:
     layers = bc.make_layers(device, int(args.kv_gib * (1 << 30)), 8, KVLayout.SPLIT)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     pieces = [layer.kv.view(torch.int64) for layer in layers]
-    total = sum(piece.numel() * 8 for piece in pieces)
-    sum_gbs = (
-        total / seconds(lambda: [p.sum() for p in pieces], device, args.reps) / 1e9
-    )
     flat = torch.compile(lambda x: (checksum_kernel.mix(x) * 3).sum())
-    ceiling = (
-        total / seconds(lambda: [flat(p) for p in pieces], device, args.reps) / 1e9
+    (ceiling_s,) = bc.best_times([lambda: [flat(p) for p in pieces]], device, args.reps)
+    gbytes = sum(piece.numel() * 8 for piece in pieces) / 1e9
+    print(
+        f"{where}: {gbytes:.2f} GB of KV (8 layers, SPLIT, bf16); compiled mix "
+        f"and sum in place (a ceiling): {gbytes / ceiling_s:.0f} GB/s"
     )
     print(
-        f"{where}: {total / 1e9:.2f} GB of KV (8 layers, SPLIT, bf16); "
-        f"torch.sum {sum_gbs:.0f} GB/s; compiled mix+sum in place (ceiling) "
-        f"{ceiling:.0f} GB/s"
+        f"{'form':<12} {'values':>7} {'GB/s':>7} {'sum GB/s':>9} {'x now':>6} "
+        f"{'step ms':>8} {'1 load ms':>10} {'16 loads ms':>12}"
     )
-    print(
-        f"{'form':<12} {'values':>7} {'GB/s':>7} {'x now':>6} {'step ms':>8} "
-        f"{'1 load ms':>10} {'16 loads ms':>12}"
-    )
-    reference: tuple[float, np.ndarray] | None = None
+    reference: bc.WorkerFigures | None = None
     for name in names:
         start = time.perf_counter()
         try:
             use_form(FORMS[name]())
-            failures = check_form(device, dtypes)
+            failures = bc.device_failures(device, [True], dtypes, host_pass=False)
             if failures:
                 print(f"{name:<12} {'DIFFER':>7}: " + "; ".join(failures))
                 continue
-            gbs, step_ms, values = large_gbs(layers, device, args.reps)
+            figures = bc.bench_worker(layers, device, FORM, args.reps)
             if reference is None:
-                reference = (gbs, values)
-            elif not (values == reference[1]).all():
+                reference = figures
+            elif not np.array_equal(figures.values, reference.values):
                 print(f"{name:<12} {'DIFFER':>7}: large KV")
                 continue
             small = small_ms(device, args.small_reps)
             print(
-                f"{name:<12} {'same':>7} {gbs:>7.0f} {gbs / reference[0]:>6.2f} "
-                f"{step_ms:>8.2f} {small[1]:>10.3f} {small[16]:>12.3f}"
+                f"{name:<12} {'same':>7} {figures.worker_gbs:>7.0f} "
+                f"{figures.sum_gbs:>9.0f} "
+                f"{figures.worker_gbs / reference.worker_gbs:>6.2f} "
+                f"{figures.step_ms:>8.2f} {small[1]:>10.3f} {small[16]:>12.3f}"
                 f"   ({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
