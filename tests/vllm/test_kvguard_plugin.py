@@ -263,28 +263,28 @@ def kvguard_inside_multi_connector(role: str, *, enabled: bool) -> dict[str, Any
     }
 
 
+def scheduler_with_kvguard_inside(role: str, *, enabled: bool) -> Scheduler:
+    """vLLM's own scheduler, which builds the MultiConnector of
+    :func:`kvguard_inside_multi_connector`, which builds KVGuard."""
+    config = vllm_config(role, connector="NixlConnector")
+    config.kv_transfer_config = KVTransferConfig(
+        **kvguard_inside_multi_connector(role, enabled=enabled)
+    )
+    return make_scheduler(Scheduler, config)
+
+
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_kvguard_inside_a_multi_connector_is_refused_while_checksums_are_on(
     role: str,
 ) -> None:
-    config = vllm_config(role, connector="NixlConnector")
-    config.kv_transfer_config = KVTransferConfig(
-        **kvguard_inside_multi_connector(role, enabled=True)
-    )
-    # vLLM's own scheduler builds the MultiConnector, which builds KVGuard.
     with pytest.raises(
         KVGuardConfigError, match="one of a MultiConnector's connectors"
     ):
-        make_scheduler(Scheduler, config)
+        scheduler_with_kvguard_inside(role, enabled=True)
 
 
 def test_kvguard_inside_a_multi_connector_builds_with_checksums_off() -> None:
-    role = "kv_consumer"
-    config = vllm_config(role, connector="NixlConnector")
-    config.kv_transfer_config = KVTransferConfig(
-        **kvguard_inside_multi_connector(role, enabled=False)
-    )
-    connector = make_scheduler(Scheduler, config).connector
+    connector = scheduler_with_kvguard_inside("kv_consumer", enabled=False).connector
     assert isinstance(connector, MultiConnector)
     assert isinstance(connector.sub_connectors[0], KVGuardConnector)
 
