@@ -53,7 +53,7 @@ from proxy.idle import IdleTimeout
 from proxy.instances import Instance, ModelPools, short_contexts
 from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
 from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
-from proxy.upstream import ReplyTooLarge, read_capped
+from proxy.upstream import ReplyTooLarge, UpstreamResponse, read_capped
 
 if TYPE_CHECKING:
     from proxy.config import ProxyConfig
@@ -119,7 +119,7 @@ class FirstData:
     ``held`` is what was read up to that event; nothing has reached the client.
     """
 
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     held: bytes
 
 
@@ -838,7 +838,7 @@ class Flow:
         body, headers = self._decode_request(attempt, req)
         first_token_s = min(req.config.timeouts.decode_first_token_s, remaining)
         started = time.monotonic()
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         scanner = FirstEventScanner()
         try:
             async with asyncio.timeout(first_token_s):
@@ -1059,7 +1059,7 @@ class Flow:
     async def _pump(
         self,
         req: _Request,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         out: web.StreamResponse,
         held: bytes,
     ) -> _StreamEnd | None:
