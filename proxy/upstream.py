@@ -127,6 +127,11 @@ class UpstreamResponse:
             self._done = True
             self._on_release(self._proto, False)
 
+    def __del__(self) -> None:
+        # A reply dropped unreleased (a bug) must not hold its connection.
+        if not self._done:
+            self.close()
+
     async def __aenter__(self) -> UpstreamResponse:
         return self
 

@@ -4,6 +4,7 @@ after its reply was read whole, and never carries one reply into the next."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from collections.abc import AsyncIterator
 
@@ -46,7 +47,7 @@ class Backend:
             resp = web.StreamResponse()
             await resp.prepare(request)
             await resp.write(b"data: 0\n\n")
-            await asyncio.sleep(5)
+            await asyncio.sleep(1.5)
             return resp
         return web.json_response({"n": len(self.peers)})
 
@@ -128,6 +129,15 @@ async def test_a_closed_reply_is_not_pooled(backend, upstream):
     async with await post(upstream, backend.url) as resp:
         await resp.read()
     assert backend.connections == 3
+
+
+async def test_a_reply_dropped_unreleased_closes_its_connection(backend, upstream):
+    resp = await post(upstream, backend.url.with_query(mode="slow"))
+    conn = resp._proto
+    del resp
+    gc.collect()
+    assert conn.transport is None
+    assert not upstream._busy
 
 
 async def test_idle_connections_past_keepalive_are_not_reused(backend):
