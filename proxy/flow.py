@@ -1103,7 +1103,10 @@ class Flow:
                     if chunk.endswith(DONE_EVENT):
                         chunk = chunk[: -len(DONE_EVENT)]
                         done = True
-                    if not await _write(out, chunk):
+                    try:  # _write's, inline: this runs once per chunk
+                        if chunk:
+                            await out.write(chunk)
+                    except (ConnectionError, aiohttp.ClientConnectionResetError):
                         return None
                     # After the write: a client slow to take it is not the
                     # decode's idleness.

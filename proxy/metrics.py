@@ -6,16 +6,58 @@ instances vanish from /metrics instead of leaving stale series.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from proxy.instances import Instance
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class LoopHistogram(Collector):
+    """A histogram without labels that only the event loop observes: one
+    ``observe`` is a bisection and two additions, a tenth of
+    ``prometheus_client.Histogram``'s locked updates. For a figure taken
+    per relayed chunk.
+
+    A scrape (in a thread) copies the counts; an observation landing
+    during the copy shows in the next scrape's sum or count.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Iterable[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = sorted(buckets)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above all
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        # A bucket holds the values up to and including its bound.
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        counts, total = list(self._counts), self._sum
+        bounds = [*map(floatToGoString, self._bounds), "+Inf"]
+        family = HistogramMetricFamily(self._name, self._documentation)
+        family.add_metric(
+            [], list(zip(bounds, map(float, accumulate(counts)), strict=True)), total
+        )
+        yield family
 
 
 class _InstanceCollector(Collector):
@@ -86,7 +128,7 @@ class ProxyMetrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self.inter_token = Histogram(
+        self.inter_token = LoopHistogram(
             "kvguard_proxy_inter_token_seconds",
             "Gaps between relayed stream chunks",
             buckets=_GAP,

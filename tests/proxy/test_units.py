@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from proxy_helpers import make_config
 
 from proxy.assemble import Assembler
@@ -29,6 +29,7 @@ from proxy.body import (
 from proxy.config import EjectionConfig
 from proxy.ejection import IntegrityTracker, _concentrated
 from proxy.instances import Instance, Pool
+from proxy.metrics import LoopHistogram
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
 from proxy.served import context_lens
@@ -853,3 +854,31 @@ def test_a_single_instance_pool_is_picked_while_usable_ejected_or_not():
     assert router.pick(pool, probing=False) is only and not only.ejected
     only.healthy = False
     assert router.pick(pool) is None
+
+
+_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1, 1, 5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(_GAP_BUCKETS),  # on a bound: in that bucket
+            st.floats(min_value=0, max_value=20, allow_nan=False),
+        ),
+        max_size=50,
+    )
+)
+def test_loop_histogram_exposes_what_prometheus_histogram_does(values):
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopHistogram("gap_seconds", "Gaps", _GAP_BUCKETS, ours)
+    reference = Histogram("gap_seconds", "Gaps", buckets=_GAP_BUCKETS, registry=theirs)
+    for value in values:
+        loop.observe(value)
+        reference.observe(value)
+    expected = [
+        line
+        for line in generate_latest(theirs).decode().splitlines()
+        if "_created" not in line  # a series of its own; nothing reads it
+    ]
+    assert generate_latest(ours).decode().splitlines() == expected
