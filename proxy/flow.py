@@ -257,6 +257,10 @@ def _passthrough(
     )
 
 
+# What writing to a client that has gone raises.
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
+
+
 async def _write(
     out: web.StreamResponse,
     data: bytes,
@@ -276,7 +280,7 @@ async def _write(
             await out.write_eof(data)
         elif data:
             await out.write(data)
-    except (ConnectionError, aiohttp.ClientConnectionResetError):
+    except _CLIENT_GONE:
         return False
     return True
 
@@ -1106,7 +1110,7 @@ class Flow:
                     try:  # _write's, inline: this runs once per chunk
                         if chunk:
                             await out.write(chunk)
-                    except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    except _CLIENT_GONE:
                         return None
                     # After the write: a client slow to take it is not the
                     # decode's idleness.

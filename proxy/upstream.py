@@ -40,8 +40,9 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-# A backend answering before it read the request (1xx aside) is a reply too.
-_CONTINUE_CODES = range(100, 200)
+# Interim replies (100 Continue, 103 Early Hints) come before the reply;
+# 101 (Switching Protocols) is the last one HTTP/1.1 sends.
+_INTERIM_CODES = range(100, 200)
 
 
 class ReplyTooLarge(Exception):
@@ -90,8 +91,8 @@ class UpstreamResponse:
         status: int,
         headers: CIMultiDictProxy[str],
         content: StreamReader,
-        proto: ResponseHandler,
-        on_release: Callable[[ResponseHandler, bool], None],
+        proto: _Connection,
+        on_release: Callable[[_Connection, bool], None],
     ) -> None:
         self.status = status
         self.headers = headers
@@ -286,7 +287,7 @@ class Upstream:
             conn.transport.write(head + body)
             while True:
                 message, payload = await conn.read()
-                if message.code not in _CONTINUE_CODES or message.code == 101:
+                if message.code not in _INTERIM_CODES or message.code == 101:
                     break
             if message.should_close:
                 conn.force_close()
@@ -299,8 +300,7 @@ class Upstream:
             message.code, message.headers, payload, conn, self._release
         )
 
-    def _release(self, conn: ResponseHandler, read_to_end: bool) -> None:
-        assert isinstance(conn, _Connection)
+    def _release(self, conn: _Connection, read_to_end: bool) -> None:
         self._busy.discard(conn)
         if conn.timer_handle is not None:
             conn.timer_handle.cancel()
