@@ -148,6 +148,42 @@ async def test_unknown_model_is_404(stubs):
         assert resp.status == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/nowhere", 404, None),
+        ("POST", "/v1/completions/extra", 404, None),
+        ("GET", "/v1/completions", 405, "POST"),
+        ("PURGE", "/v1/chat/completions", 405, "POST"),
+        ("POST", "/health", 405, "GET,HEAD"),
+        ("PUT", "/admin/instances", 405, "DELETE,GET,HEAD,POST"),
+    ],
+)
+async def test_an_unrouted_request_is_404_or_405_with_allow_in_openai_json(
+    stubs, method, path, status, allow
+):
+    p, d = await stubs(), await stubs()
+    async with (
+        running_proxy(make_config([p.url], [d.url])) as px,
+        px.session.request(method, px.url + path) as resp,
+    ):
+        assert resp.status == status
+        assert resp.headers.get("Allow") == allow
+        body = await resp.json()
+    assert body["error"]["code"] == status
+    assert p.requests == [] and d.requests == []
+
+
+async def test_the_catch_all_route_shadows_no_route(stubs):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        for path in ("/health", "/liveness", "/v1/models", "/metrics", "/status"):
+            async with px.session.get(px.url + path) as resp:
+                assert resp.status == 200, path
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+
+
 async def test_health_is_200_only_while_each_role_has_a_healthy_instance(stubs):
     p, d = await stubs(), await stubs()
     down = f"http://127.0.0.1:{free_port()}"
