@@ -320,8 +320,10 @@ class Flow:
         ):
             metrics.count_request(label, "unauthorized")
             return error_response(401, "Invalid or missing API key", request_id)
+        # A body that came whole with the head is read without a wait: no timer.
+        body_s = None if request.content.is_eof() else cfg.timeouts.request_body_s
         try:
-            async with asyncio.timeout(cfg.timeouts.request_body_s):
+            async with asyncio.timeout(body_s):
                 raw = await self._read_body(request, cfg.limits.max_body_bytes)
         except _TooLarge:
             metrics.count_request(label, "too_large")
