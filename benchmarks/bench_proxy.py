@@ -5,8 +5,14 @@ a closed loop of ``--concurrency`` clients sends completions, non-stream then
 stream, to each target in turn and reports requests/s, p50/p99 latency and
 each proxy's CPU per request (its user+system time over the measured phase:
 on a machine the engines share, that CPU comes out of the engines), then the
-ratios. Bounded by ``--requests`` and ``--duration`` per target and mode. On
-a shared machine, run it a few times and compare the spread.
+ratios. Bounded by ``--requests`` and ``--duration`` per target, mode and
+round.
+
+The targets run in ``--rounds`` interleaved rounds, each round starting with
+the next target, so that load from other processes, which comes and goes
+over seconds, falls on all of them alike. A ratio is taken within each round
+(its targets ran back to back) and printed as the median over rounds with
+its spread (lowest-highest).
 
     .venv/bin/python benchmarks/bench_proxy.py
     # vllm-router in its own environment (found at .venv-bench/bin/vllm-router):
@@ -60,6 +66,7 @@ class Result:
     rps: float
     p50_ms: float
     p99_ms: float
+    round: int = 0
     proxy_cpu_ms_per_req: float | None = None
 
 
@@ -194,7 +201,13 @@ async def load(
 
 
 def summarize(
-    target: str, mode: str, n: int, errors: int, secs: float, lat: list[float]
+    target: str,
+    mode: str,
+    n: int,
+    errors: int,
+    secs: float,
+    lat: list[float],
+    round_: int = 0,
 ) -> Result:
     lat = sorted(lat)
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan")
@@ -207,6 +220,7 @@ def summarize(
         round(n / secs, 1) if secs else 0.0,
         round(statistics.median(lat) * 1000, 2) if lat else float("nan"),
         round(p99 * 1000, 2),
+        round_,
     )
 
 
@@ -302,22 +316,27 @@ async def run(args: argparse.Namespace) -> list[Result]:
             await wait_ready(router_url + "/health")
             targets.append(("vllm-router", router_url, router_proc.pid))
 
-        for stream in (False, True):
-            mode = "stream" if stream else "non-stream"
-            for name, url, pid in targets:
-                n, errors, secs, lat, cpu_s = await load(url, stream, args, pid)
-                result = summarize(name, mode, n, errors, secs, lat)
-                cpu = ""
-                if cpu_s is not None and n:
-                    result.proxy_cpu_ms_per_req = round(cpu_s * 1000 / n, 3)
-                    cpu = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
-                results.append(result)
-                print(
-                    f"{name:14s} {mode:10s} {result.rps:8.1f} req/s"
-                    f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
-                    f"  errors {errors}/{n}{cpu}",
-                    flush=True,
-                )
+        for rnd in range(args.rounds):
+            first = rnd % len(targets)
+            order = targets[first:] + targets[:first]
+            for stream in (False, True):
+                mode = "stream" if stream else "non-stream"
+                for name, url, pid in order:
+                    n, errors, secs, lat, cpu_s = await load(
+                        url, stream, args, pid, args.warmup
+                    )
+                    result = summarize(name, mode, n, errors, secs, lat, rnd)
+                    cpu = ""
+                    if cpu_s is not None and n:
+                        result.proxy_cpu_ms_per_req = round(cpu_s * 1000 / n, 3)
+                        cpu = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
+                    results.append(result)
+                    print(
+                        f"r{rnd} {name:14s} {mode:10s} {result.rps:8.1f} req/s"
+                        f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
+                        f"  errors {errors}/{n}{cpu}",
+                        flush=True,
+                    )
     finally:
         procs.stop_all()
         if not args.keep_logs:
@@ -327,30 +346,50 @@ async def run(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+def _spread(values: list[float]) -> str:
+    """``values``' median and range, as ratios."""
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
 def ratios(results: list[Result]) -> list[str]:
-    by = {(r.target, r.mode): r for r in results}
+    """KVGuard's proxy against each other target, per mode: each ratio taken
+    within a round, printed as the median over rounds and its spread. A
+    round where either target had errors gives no ratio."""
+    by = {(r.target, r.mode, r.round): r for r in results}
+    rounds = sorted({r.round for r in results})
     lines = []
     for mode in ("non-stream", "stream"):
-        proxy = by.get(("kvguard-proxy", mode))
-        if proxy is None:
-            continue
         for other in ("vllm-router", "direct-decode"):
-            base = by.get((other, mode))
-            if base is not None and base.rps:
-                if proxy.errors or base.errors:
-                    lines.append(f"{mode:10s} vs {other}: errors, no ratio")
-                    continue
-                rps = proxy.rps / base.rps
-                p50 = proxy.p50_ms / base.p50_ms
-                p99 = proxy.p99_ms / base.p99_ms
-                cpu = ""
-                if proxy.proxy_cpu_ms_per_req and base.proxy_cpu_ms_per_req:
-                    ratio = proxy.proxy_cpu_ms_per_req / base.proxy_cpu_ms_per_req
-                    cpu = f", CPU per request {ratio:.2f}x"
-                lines.append(
-                    f"{mode:10s} kvguard-proxy / {other}: {rps:.2f}x req/s, "
-                    f"p50 {p50:.2f}x, p99 {p99:.2f}x{cpu}"
-                )
+            pairs = [
+                (by[("kvguard-proxy", mode, rnd)], by[(other, mode, rnd)])
+                for rnd in rounds
+                if ("kvguard-proxy", mode, rnd) in by and (other, mode, rnd) in by
+            ]
+            if not pairs:
+                continue
+            clean = [(p, b) for p, b in pairs if not (p.errors or b.errors) and b.rps]
+            if not clean:
+                lines.append(f"{mode:10s} vs {other}: errors, no ratio")
+                continue
+            parts = [
+                f"{_spread([p.rps / b.rps for p, b in clean])} req/s",
+                f"p50 {_spread([p.p50_ms / b.p50_ms for p, b in clean])}",
+                f"p99 {_spread([p.p99_ms / b.p99_ms for p, b in clean])}",
+            ]
+            cpu = [
+                p.proxy_cpu_ms_per_req / b.proxy_cpu_ms_per_req
+                for p, b in clean
+                if p.proxy_cpu_ms_per_req and b.proxy_cpu_ms_per_req
+            ]
+            if cpu:
+                parts.append(f"CPU per request {_spread(cpu)}")
+            skipped = len(pairs) - len(clean)
+            note = f" ({skipped} round(s) with errors left out)" if skipped else ""
+            lines.append(
+                f"{mode:10s} kvguard-proxy / {other}, {len(clean)} rounds: "
+                + ", ".join(parts)
+                + note
+            )
     return lines
 
 
@@ -358,10 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument(
-        "--requests", type=int, default=2000, help="per target and mode"
+        "--requests", type=int, default=1000, help="per target, mode and round"
     )
     parser.add_argument(
-        "--duration", type=float, default=15.0, help="seconds per target and mode"
+        "--duration",
+        type=float,
+        default=6.0,
+        help="seconds per target, mode and round",
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--warmup", type=int, default=64, help="unmeasured requests before each"
     )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--router-bin", default=None)
@@ -376,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         f"bench_proxy: 1P1D fake engines, concurrency {args.concurrency}, "
-        f"max_tokens {args.max_tokens}, <= {args.requests} requests or "
-        f"{args.duration}s per target and mode, {os.cpu_count()} CPUs"
+        f"max_tokens {args.max_tokens}, {args.rounds} rounds of <= "
+        f"{args.requests} requests or {args.duration}s per target and mode, "
+        f"{os.cpu_count()} CPUs"
     )
     try:
         import uvloop
