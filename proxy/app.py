@@ -23,7 +23,7 @@ from proxy.errors import error_response
 from proxy.flow import Flow
 from proxy.instances import Instance
 from proxy.served import served_models
-from proxy.server import add_not_routed, json_route
+from proxy.server import json_errors, json_route
 from proxy.state import STATE, ProxyState
 from proxy.status import status_page
 
@@ -125,7 +125,7 @@ def create_app(
     """
     state = ProxyState(config, None if source is None else str(source), overrides)
     # Body size is enforced by the flow, which answers 413 in OpenAI JSON.
-    app = web.Application(client_max_size=1 << 40)
+    app = web.Application(client_max_size=1 << 40, middlewares=[json_errors])
     app[STATE] = state
     flow = Flow(state)
     app.add_routes(
@@ -141,7 +141,6 @@ def create_app(
         ]
     )
     add_admin_routes(app, STATE)
-    add_not_routed(app)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
     return app

@@ -1,8 +1,6 @@
 """Serving the application so that every error it writes is OpenAI-style JSON.
 
-Routing errors (404, 405) come from ``add_not_routed``'s catch-all route, not
-from a middleware: a middleware would add two coroutine frames to every
-resume of every request (a streamed reply resumes once per chunk). Errors
+Routing errors (404, 405) pass through ``json_errors``, a middleware. Errors
 aiohttp answers before any handler runs (a request line or header its parser
 refuses: an oversized header, a bare CR, a NUL) and unhandled exceptions go to
 the connection's ``handle_error``, which ``ProxyRunner`` replaces.
@@ -20,30 +18,22 @@ from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_body, error_response
 
+_KEEP_HEADERS = (hdrs.ALLOW,)
 
-async def _not_routed(request: web.Request) -> web.StreamResponse:
-    """A request no other route took: 405 with ``Allow`` where its path has
-    routes (for other methods), else 404, as aiohttp answers but in JSON."""
-    own = request.match_info.route.resource
-    allowed: set[str] = set()
-    for resource in request.app.router.resources():
-        if resource is not own:
-            _, methods = await resource.resolve(request)
-            allowed |= methods
-    if allowed:
-        resp = error_response(405, "Method Not Allowed")
-        resp.headers[hdrs.ALLOW] = ",".join(sorted(allowed))
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answers aiohttp's HTTP exceptions (unknown path, wrong method) in JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = error_response(exc.status, exc.reason)
+        for name in _KEEP_HEADERS:
+            if name in exc.headers:
+                resp.headers[name] = exc.headers[name]
         return resp
-    return error_response(404, "Not Found")
-
-
-def add_not_routed(app: web.Application) -> None:
-    """Adds the catch-all route that answers unknown paths and methods in
-    JSON. Add it last: aiohttp tries a path's own routes before the root's.
-    """
-    app.router.add_route(
-        hdrs.METH_ANY, "/{path:.*}", _not_routed, expect_handler=expect_continue
-    )
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
