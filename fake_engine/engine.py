@@ -55,6 +55,7 @@ from fake_engine.request import (
     RemoteSource,
     RequestOutput,
     RequestStatus,
+    SamplingOptions,
 )
 from fake_engine.transfer import (
     KVHeader,
@@ -505,13 +506,30 @@ class Engine:
                 token = self.model.next_token(
                     digest, item.end, allow_eos=item.allow_eos
                 )
-                logprobs = None
-                if (count := request.sampling.logprobs) is not None:
-                    logprobs = self.model.logprobs(
-                        digest, item.end, allow_eos=item.allow_eos, count=count
-                    )
+                logprobs = self._sample_logprobs(
+                    request.sampling, digest, item.end, allow_eos=item.allow_eos
+                )
                 sampled[request.request_id] = token, logprobs
         return sampled
+
+    def _sample_logprobs(
+        self, sampling: SamplingOptions, digest: int, position: int, *, allow_eos: bool
+    ) -> list[TokenLogprob] | None:
+        """The logprobs a sampled token comes with, as its request asks:
+        those of ``logprob_token_ids`` where set (vLLM's sampler prefers
+        them to the top ones), else the top ``logprobs``; None: none."""
+        if sampling.logprob_token_ids is not None:
+            return self.model.requested_logprobs(
+                digest,
+                position,
+                allow_eos=allow_eos,
+                token_ids=sampling.logprob_token_ids,
+            )
+        if sampling.logprobs is None:
+            return None
+        return self.model.logprobs(
+            digest, position, allow_eos=allow_eos, count=sampling.logprobs
+        )
 
     def _update(self, step: _Step, result: _StepResult) -> None:
         """The scheduler's part after a step (``update_from_output``)."""

@@ -80,6 +80,18 @@ def _likeliest(value: int, first: int, count: int) -> list[TokenLogprob]:
     return out
 
 
+def _scored(value: int, token: int, likeliest: list[TokenLogprob]) -> TokenLogprob:
+    """``token``'s log probability and rank at the position whose value is
+    ``value`` and whose ``likeliest`` tokens are listed: its entry there, or
+    one below the last of them (the same wherever it is asked for)."""
+    entry = next((e for e in likeliest if e.token_id == token), None)
+    if entry is not None:
+        return entry
+    below = 1 + mix(value ^ token) % 100
+    floor = likeliest[-1].logprob - below * math.log(2)
+    return TokenLogprob(token, floor, len(likeliest) + below)
+
+
 def _signed(value: int) -> int:
     """A 64-bit word as int64."""
     value &= MASK64
@@ -220,6 +232,27 @@ class FakeModel:
         value = mix(digest ^ splitmix64(position))
         return _likeliest(value, _pick(value, allow_eos=allow_eos), max(1, count))
 
+    def requested_logprobs(
+        self,
+        digest: int,
+        position: int,
+        *,
+        allow_eos: bool,
+        token_ids: Iterable[int],
+    ) -> list[TokenLogprob]:
+        """The token :meth:`next_token` picks (rank 1), then each of
+        ``token_ids`` with its log probability there: what vLLM returns for a
+        sampled token when ``logprob_token_ids`` are asked. As vLLM's
+        ``append_logprobs_for_next_position`` ranks them, each requested
+        token's rank is its place in ``token_ids``, and a token listed twice
+        (or the pick listed again) keeps its first place and its last rank."""
+        value = mix(digest ^ splitmix64(position))
+        likeliest = _likeliest(value, _pick(value, allow_eos=allow_eos), _PROMPT_RANKS)
+        entries = {likeliest[0].token_id: likeliest[0]}
+        for rank, token in enumerate(token_ids, start=1):
+            entries[token] = _scored(value, token, likeliest)._replace(rank=rank)
+        return list(entries.values())
+
     def prompt_logprobs(
         self, token_ids: list[int], count: int
     ) -> list[list[TokenLogprob] | None]:
@@ -234,10 +267,6 @@ class FakeModel:
             value = mix(hashes[position - 1] ^ splitmix64(position))
             likeliest = _likeliest(value, _pick(value, allow_eos=False), _PROMPT_RANKS)
             token = token_ids[position]
-            entry = next((e for e in likeliest if e.token_id == token), None)
-            if entry is None:
-                below = 1 + mix(value ^ token) % 100
-                floor = likeliest[-1].logprob - below * math.log(2)
-                entry = TokenLogprob(token, floor, len(likeliest) + below)
+            entry = _scored(value, token, likeliest)
             out.append([entry, *(e for e in likeliest[:count] if e.token_id != token)])
         return out

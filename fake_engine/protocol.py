@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from engine_patch.log import get_logger
 from fake_engine.model import TokenLogprob
@@ -150,8 +157,50 @@ def _check_logprobs(data: dict[str, Any], count: str) -> None:
         )
 
 
+def _check_logprob_token_ids_beam(data: dict[str, Any]) -> None:
+    """vLLM's first check of ``logprob_token_ids`` (both routes): its
+    beam search asks for top logprobs of its own."""
+    if data.get("logprob_token_ids") and data.get("use_beam_search"):
+        raise vllm_validation_error(
+            "`logprob_token_ids` is not supported with beam search.",
+            param="logprob_token_ids",
+        )
+
+
+def _check_completion_logprob_token_ids(data: dict[str, Any]) -> None:
+    """vLLM's completions checks of ``logprob_token_ids`` after the beam
+    search's: there must be output tokens to score, and ``logprobs`` set
+    (any value: the requested tokens replace the top ones)."""
+    if not data.get("logprob_token_ids"):
+        return
+    if data.get("echo") and data.get("max_tokens") == 0:
+        raise vllm_validation_error(
+            "`logprob_token_ids` is not supported when `echo=True` and "
+            "`max_tokens=0` because no output tokens are generated.",
+            param="logprob_token_ids",
+        )
+    if data.get("logprobs") is None:
+        raise vllm_validation_error(
+            "when using `logprob_token_ids`, `logprobs` must be set.",
+            param="logprob_token_ids",
+        )
+
+
+def _check_chat_logprob_token_ids(data: dict[str, Any]) -> None:
+    """vLLM's chat checks of ``logprob_token_ids``: not with a beam search,
+    and only with ``logprobs: true``."""
+    _check_logprob_token_ids_beam(data)
+    if data.get("logprob_token_ids") and not data.get("logprobs"):
+        raise vllm_validation_error(
+            "when using `logprob_token_ids`, `logprobs` must be set to true.",
+            param="logprob_token_ids",
+        )
+
+
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for.
 MAX_LOGPROBS = 20
+# vLLM's MAX_LOGPROB_TOKEN_IDS: the most tokens ``logprob_token_ids`` lists.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 def _too_many_logprobs(param: str, count: int) -> RequestError:
@@ -191,8 +240,10 @@ class _GenerateRequest(_OpenAIModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     return_tokens_as_token_ids: bool | None = None
+    # Tokens to score at each generated position instead of the top ones.
+    # (``prompt_logprob_token_ids`` is no field of vLLM's OpenAI requests:
+    # it is ignored as any unknown field is.)
     logprob_token_ids: list[int] | None = None
-    prompt_logprob_token_ids: Any = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = []
@@ -215,11 +266,6 @@ class _GenerateRequest(_OpenAIModel):
         Raises:
             RequestError: For the first value vLLM or this engine refuses.
         """
-        for name in ("logprob_token_ids", "prompt_logprob_token_ids"):
-            if getattr(self, name) is not None:
-                raise RequestError(
-                    f"`{name}` is not supported by the fake engine.", param=name
-                )
         if self.num_choices < 1:
             raise vllm_validation_error(
                 f"n must be at least 1, got {self.num_choices}."
@@ -230,13 +276,11 @@ class _GenerateRequest(_OpenAIModel):
             raise vllm_validation_error(
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
-        # As vLLM's input processor checks them, -1 meaning the vocabulary.
-        for name, count in (
-            ("logprobs", self.sample_logprobs),
-            ("prompt_logprobs", self.num_prompt_logprobs),
-        ):
-            if count is not None and (count == -1 or count > MAX_LOGPROBS):
-                raise _too_many_logprobs(name, VOCAB_SIZE if count == -1 else count)
+        # As vLLM's input processor checks them (SamplingParams's
+        # _validate_logprobs), -1 meaning the vocabulary.
+        self._check_logprob_count("logprobs", self.sample_logprobs)
+        self._check_logprob_token_ids()
+        self._check_logprob_count("prompt_logprobs", self.num_prompt_logprobs)
         if self.use_beam_search:
             # Each step asks for twice the width in logprobs.
             if (count := 2 * self.num_choices) > MAX_LOGPROBS:
@@ -249,11 +293,66 @@ class _GenerateRequest(_OpenAIModel):
                 f"n must be 1 when using greedy sampling, got {self.num_choices}."
             )
 
+    @staticmethod
+    def _check_logprob_count(name: str, count: int | None) -> None:
+        """vLLM's limit on the top logprobs asked per token (``name``:
+        ``logprobs`` or ``prompt_logprobs``), -1 meaning the vocabulary.
+
+        Raises:
+            RequestError: If ``count`` is past ``MAX_LOGPROBS``.
+        """
+        if count is not None and (count == -1 or count > MAX_LOGPROBS):
+            raise _too_many_logprobs(name, VOCAB_SIZE if count == -1 else count)
+
+    def _check_logprob_token_ids(self) -> None:
+        """vLLM's checks of ``logprob_token_ids`` in ``SamplingParams``: at
+        most ``MAX_LOGPROB_TOKEN_IDS`` of them, each in the vocabulary. (Its
+        check that ``logprobs`` equals their count never fires here: the
+        OpenAI routes pass no ``logprobs`` with them.)
+
+        Raises:
+            RequestError: vLLM's 400 for the first check that fails.
+        """
+        token_ids = self.requested_logprob_token_ids
+        if token_ids is None:
+            return
+        if (n := len(token_ids)) > MAX_LOGPROB_TOKEN_IDS:
+            raise vllm_validation_error(
+                f"Requested logprob_token_ids of length {n}, which is greater "
+                f"than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                param="logprob_token_ids",
+                value=n,
+            )
+        invalid = [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]
+        if invalid:
+            raise vllm_validation_error(
+                f"token_id(s) {invalid} in logprob_token_ids contain out-of-vocab "
+                f"token ids. Vocabulary size: {VOCAB_SIZE}",
+                param="logprob_token_ids",
+                value=invalid,
+            )
+
+    @property
+    def requested_logprob_token_ids(self) -> tuple[int, ...] | None:
+        """The tokens to score at each generated position; None: none (an
+        empty list asks for none, as ``logprob_token_ids or None`` in vLLM's
+        ``to_sampling_params``)."""
+        return tuple(self.logprob_token_ids) if self.logprob_token_ids else None
+
+    @property
+    def num_output_top_logprobs(self) -> int | None:
+        """The top logprobs the response lists per generated token (vLLM's
+        serving's ``num_output_top_logprobs``); None: no logprobs."""
+        raise NotImplementedError
+
     @property
     def sample_logprobs(self) -> int | None:
-        """Top logprobs to return with each generated token; None: no
-        logprobs."""
-        raise NotImplementedError
+        """Top logprobs to compute with each generated token (vLLM's
+        ``SamplingParams.logprobs``): None without logprobs, or where
+        ``logprob_token_ids`` name the tokens instead."""
+        if self.requested_logprob_token_ids is not None:
+            return None
+        return self.num_output_top_logprobs
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -351,7 +450,7 @@ class CompletionRequest(_GenerateRequest):
     suffix: str | None = None
 
     @property
-    def sample_logprobs(self) -> int | None:
+    def num_output_top_logprobs(self) -> int | None:
         return self.logprobs
 
     @property
@@ -366,6 +465,7 @@ class CompletionRequest(_GenerateRequest):
     def _normalize(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        _check_logprob_token_ids_beam(data)
         if (
             data.get("use_beam_search")
             and data.get("echo")
@@ -376,6 +476,7 @@ class CompletionRequest(_GenerateRequest):
                 "because beam search does not compute prompt logprobs.",
                 param="echo",
             )
+        _check_completion_logprob_token_ids(data)
         _check_logprobs(data, "logprobs")
         if data.get("max_tokens") is None:
             data = {**data, "max_tokens": 16}
@@ -386,6 +487,10 @@ class CompletionRequest(_GenerateRequest):
                 param="prompt",
             )
         return data
+
+
+# vLLM's ``TopLogprobsParam``: chat's ``top_logprobs``, null read as 0.
+TopLogprobsParam = Annotated[int, BeforeValidator(lambda v: 0 if v is None else v)]
 
 
 class ChatMessage(_OpenAIModel):
@@ -401,7 +506,7 @@ class ChatCompletionRequest(_GenerateRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = 0
+    top_logprobs: TopLogprobsParam = 0
     prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -410,7 +515,7 @@ class ChatCompletionRequest(_GenerateRequest):
     tool_choice: str | dict[str, Any] | None = "none"
 
     @property
-    def sample_logprobs(self) -> int | None:
+    def num_output_top_logprobs(self) -> int | None:
         return self.top_logprobs if self.logprobs else None
 
     @property
@@ -425,6 +530,7 @@ class ChatCompletionRequest(_GenerateRequest):
         """vLLM's ``check_logprobs``, in its order and words."""
         if not isinstance(data, dict):
             return data
+        _check_chat_logprob_token_ids(data)
         _check_logprobs(data, "top_logprobs")
         top_logprobs = data.get("top_logprobs")
         if (
@@ -666,11 +772,12 @@ def completion_logprobs(
 def chat_logprobs(
     token_ids: list[int],
     logprobs: list[list[TokenLogprob]],
-    top: int,
+    top: int | None,
     as_ids: bool = False,
 ) -> dict[str, Any]:
     """vLLM's ``ChatCompletionLogProbs`` of ``token_ids``, ``top`` of each
-    one's likeliest tokens listed; tokens named by id with ``as_ids``."""
+    one's likeliest tokens listed (None: all its entries, vLLM's
+    ``return_all``); tokens named by id with ``as_ids``."""
     content = []
     for token_id, entries in zip(token_ids, logprobs, strict=True):
         token = _token_text(token_id, as_ids)
@@ -685,7 +792,7 @@ def chat_logprobs(
                         "logprob": max(e.logprob, _MIN_LOGPROB),
                         "bytes": list(text.encode("utf-8", errors="replace")),
                     }
-                    for e in entries[:top]
+                    for e in (entries if top is None else entries[:top])
                 ],
             }
         )
@@ -743,6 +850,9 @@ class ResponseBuilder:
     # the ``prompt_logprobs`` field.
     logprobs: int | None = None
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    # ``logprob_token_ids`` were asked: every entry of a position is listed,
+    # whatever ``logprobs`` (vLLM's ``return_all``).
+    return_all_logprobs: bool = False
     # Logprobs name tokens by id (``return_tokens_as_token_ids``).
     tokens_as_ids: bool = False
     # A stream's chunks all carry the time it started.
@@ -839,19 +949,18 @@ class ResponseBuilder:
         if self.logprobs is None or logprobs is None:
             return None
         as_ids = self.tokens_as_ids
+        top = None if self.return_all_logprobs else self.logprobs
         if self.chat:
-            return chat_logprobs(token_ids, logprobs, self.logprobs, as_ids)
+            return chat_logprobs(token_ids, logprobs, top, as_ids)
         if echo and self.echoes and self.prompt_logprobs is not None:
             return completion_logprobs(
                 [*self.prompt_token_ids, *token_ids],
                 [*self.prompt_logprobs, *logprobs],
                 text_offset,
                 as_ids,
-                self.logprobs,
+                top,
             )
-        return completion_logprobs(
-            token_ids, list(logprobs), text_offset, as_ids, self.logprobs
-        )
+        return completion_logprobs(token_ids, list(logprobs), text_offset, as_ids, top)
 
     def role_chunk(self) -> dict[str, Any] | None:
         """A chat stream's first chunk, naming the role; None for completions."""

@@ -42,6 +42,9 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     # Top logprobs to return with each generated token; None: no logprobs.
     logprobs: int | None = None
+    # Tokens whose logprobs to return with each generated token instead of
+    # the top ones (vLLM's ``logprob_token_ids``); None: none asked.
+    logprob_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Per token of ``token_ids``, with ``SamplingOptions.logprobs``: its log
-    # probability first, then the likeliest others'.
+    # probability first, then the likeliest others' (with
+    # ``SamplingOptions.logprob_token_ids``: then the requested tokens').
     logprobs: list[list[TokenLogprob]] | None = None
 
     @property

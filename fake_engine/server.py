@@ -549,6 +549,7 @@ class EngineServer:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 logprobs=body.sample_logprobs,
+                logprob_token_ids=body.requested_logprob_token_ids,
             ),
             kv_transfer_params=dict(params) if params is not None else None,
             aliases=aliases,
@@ -581,8 +582,9 @@ class EngineServer:
             echoes=echoes,
             system_fingerprint=self.system_fingerprint,
             index=index,
-            logprobs=body.sample_logprobs,
+            logprobs=body.num_output_top_logprobs,
             prompt_logprobs=prompt_logprobs,
+            return_all_logprobs=body.requested_logprob_token_ids is not None,
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
         )
 

@@ -1,7 +1,8 @@
 """Logprobs as vLLM returns them: of each generated token (the model's pick,
 rank 1) with the next likeliest, of an echoed prompt's tokens, and
-``prompt_logprobs``; streamed or whole alike, and the same through a P/D
-pair as from one engine."""
+``prompt_logprobs``, and of the tokens ``logprob_token_ids`` name;
+streamed or whole alike, and the same through a P/D pair as from one
+engine."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from fake_engine_helpers import (
 from fake_engine.config import EngineConfig, Role
 from fake_engine.model import FakeModel
 from fake_engine.testing import EngineSpec, fake_engines
-from fake_engine.tokenizer import encode
+from fake_engine.tokenizer import EOS_TOKEN_ID, decode, encode
 
 
 def test_the_models_pick_is_its_likeliest_token_in_a_distribution() -> None:
@@ -208,12 +209,291 @@ async def test_tokens_as_token_ids_name_each_logprobs_token_by_its_id(
     assert first["bytes"] == list(first["token"].encode())
 
 
-async def test_logprobs_of_chosen_token_ids_are_refused_as_unsupported(
+# Tokens asked for by id: two letters the model writes, a byte that is no
+# UTF-8 (its text is U+FFFD), EOS, and a letter again (listed once).
+REQUESTED = [ord("e"), ord("t"), 200, EOS_TOKEN_ID, ord("e")]
+
+
+def requested_texts(token: str) -> list[str]:
+    """The tokens a position's top logprobs name, in vLLM's order: the
+    generated one, then each requested one once."""
+    return list(dict.fromkeys([token, *(_text(i) for i in REQUESTED)]))
+
+
+def _text(token_id: int) -> str:
+    return decode([token_id], skip_special_tokens=False)
+
+
+def test_requested_logprobs_follow_the_pick_in_the_order_asked() -> None:
+    model = FakeModel(EngineConfig())
+    for digest in range(50):
+        pick = model.logprobs(digest, 9, allow_eos=True, count=1)[0]
+        top = {
+            e.token_id: e for e in model.logprobs(digest, 9, allow_eos=True, count=20)
+        }
+        got = model.requested_logprobs(digest, 9, allow_eos=True, token_ids=REQUESTED)
+        assert got[0].token_id == pick.token_id and got[0].logprob == pick.logprob
+        assert [e.token_id for e in got] == list(
+            dict.fromkeys([pick.token_id, *REQUESTED])
+        )
+        for entry in got:
+            # vLLM's ranks: the pick's own, then each requested token's
+            # (last) place in the list.
+            places = [i for i, t in enumerate(REQUESTED, 1) if t == entry.token_id]
+            assert entry.rank == (places[-1] if places else 1)
+            # A token's logprob is the one its top-k entry has.
+            if entry.token_id in top:
+                assert entry.logprob == top[entry.token_id].logprob
+            assert entry.logprob < 0
+
+
+async def test_logprob_token_ids_are_answered_for_each_generated_token(
     session: aiohttp.ClientSession, url: str
 ) -> None:
-    status, answer = await post(
-        session,
-        url + COMPLETIONS,
-        completion_body(logprobs=1, logprob_token_ids=[101]),
+    body = completion_body(logprobs=1, logprob_token_ids=REQUESTED)
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 200
+    logprobs = answer["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == text_of(answer)
+    _, plain = await post(session, url + COMPLETIONS, completion_body(logprobs=20))
+    assert text_of(plain) == text_of(answer)
+    for token, logprob, top, rivals in zip(
+        logprobs["tokens"],
+        logprobs["token_logprobs"],
+        logprobs["top_logprobs"],
+        plain["choices"][0]["logprobs"]["top_logprobs"],
+        strict=True,
+    ):
+        # Every requested token, whatever ``logprobs`` asks (1 here).
+        assert list(top) == requested_texts(token)
+        assert top[token] == logprob
+        # The same logprobs as a request for the top ones gives.
+        assert all(top[t] == rivals[t] for t in top.keys() & rivals.keys())
+
+
+async def test_chat_lists_every_requested_token_after_the_generated_one(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = chat_body(logprobs=True, top_logprobs=1, logprob_token_ids=REQUESTED)
+    status, answer = await post(session, url + CHAT, body)
+    assert status == 200
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == text_of(answer)
+    for entry in content:
+        listed = entry["top_logprobs"]
+        assert [t["token"] for t in listed] == requested_texts(entry["token"])
+        assert listed[0]["logprob"] == entry["logprob"]
+        assert all(t["bytes"] == list(t["token"].encode()) for t in listed)
+
+
+async def test_a_stream_carries_the_requested_logprobs_chunk_by_chunk(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    for route, body in (
+        (COMPLETIONS, completion_body(logprobs=0, logprob_token_ids=REQUESTED)),
+        (CHAT, chat_body(logprobs=True, logprob_token_ids=REQUESTED)),
+    ):
+        _, whole = await post(session, url + route, body)
+        _, events = await stream(session, url + route, {**body, "stream": True})
+        pieces = [
+            e["choices"][0]["logprobs"]
+            for e in events[:-1]
+            if e["choices"] and e["choices"][0]["logprobs"]
+        ]
+        want = whole["choices"][0]["logprobs"]
+        joined = {k: [x for p in pieces for x in p[k]] for k in want}
+        assert joined == want, route
+        if route == CHAT:
+            for entry in want["content"]:
+                listed = [t["token"] for t in entry["top_logprobs"]]
+                assert listed == requested_texts(entry["token"])
+
+
+async def test_an_echo_with_logprob_token_ids_lists_all_of_each_prompt_tokens_entries(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = completion_body(
+        echo=True, logprobs=1, prompt_logprobs=3, logprob_token_ids=REQUESTED
     )
-    assert status == 400 and answer["error"]["param"] == "logprob_token_ids"
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 200
+    choice = answer["choices"][0]
+    tops = choice["logprobs"]["top_logprobs"]
+    # vLLM's return_all: a prompt token's own entry and its 3 likeliest (the
+    # token once), not ``logprobs`` + 1 of them.
+    for top, scores in zip(tops[1:70], choice["prompt_logprobs"][1:], strict=True):
+        assert list(top.values()) == [s["logprob"] for s in scores.values()]
+        assert len(top) in (3, 4)
+    for token, top in zip(choice["logprobs"]["tokens"][70:], tops[70:], strict=True):
+        assert list(top) == requested_texts(token)
+
+
+async def test_logprob_token_ids_lift_vllms_limit_on_top_logprobs(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    """vLLM's routes pass no top logprobs to its sampler with
+    ``logprob_token_ids``: a count past --max-logprobs goes unchecked."""
+    for route, body in (
+        (COMPLETIONS, completion_body(logprobs=50, logprob_token_ids=[101])),
+        (COMPLETIONS, completion_body(logprobs=-1, logprob_token_ids=[101])),
+        (CHAT, chat_body(logprobs=True, top_logprobs=25, logprob_token_ids=[101])),
+    ):
+        status, answer = await post(session, url + route, body)
+        assert status == 200, answer
+        assert answer["choices"][0]["logprobs"] is not None
+
+
+async def test_a_null_top_logprobs_reads_as_zero_as_vllm_reads_it(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    """vLLM's ``TopLogprobsParam``: null is 0, so logprobs still come."""
+    body = chat_body(logprobs=True, top_logprobs=None)
+    _, answer = await post(session, url + CHAT, body)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert content and all(entry["top_logprobs"] == [] for entry in content)
+    _, answer = await post(session, url + CHAT, {**body, "logprob_token_ids": [101]})
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert all(len(entry["top_logprobs"]) in (1, 2) for entry in content)
+
+
+async def test_an_empty_logprob_token_ids_asks_for_nothing(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    _, want = await post(session, url + COMPLETIONS, completion_body(logprobs=1))
+    _, got = await post(
+        session, url + COMPLETIONS, completion_body(logprobs=1, logprob_token_ids=[])
+    )
+    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+    status, answer = await post(session, url + CHAT, chat_body(logprob_token_ids=[]))
+    assert status == 200 and answer["choices"][0]["logprobs"] is None
+
+
+async def test_prompt_logprob_token_ids_are_ignored_as_vllm_ignores_unknown_fields(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    """vLLM 0.32's OpenAI requests have no such field (only its
+    token-in-token-out route takes it, in ``SamplingParams``)."""
+    unknown = {"prompt_logprob_token_ids": [[101, 102]], "prompt_logprob_start": 0}
+    for route, make in ((COMPLETIONS, completion_body), (CHAT, chat_body)):
+        _, want = await post(session, url + route, make())
+        status, got = await post(session, url + route, make(**unknown))
+        assert status == 200
+        assert got["choices"] == want["choices"]
+        assert got.get("prompt_logprobs") is None
+
+
+async def test_a_pd_pair_gives_the_requested_logprobs_one_engine_gives(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with fake_engines(
+        EngineSpec(role=Role.PRODUCER), EngineSpec(role=Role.CONSUMER), EngineSpec()
+    ) as (prefill, decode, alone):
+        for route, body in (
+            (COMPLETIONS, completion_body(logprobs=1, logprob_token_ids=REQUESTED)),
+            (CHAT, chat_body(logprobs=True, logprob_token_ids=REQUESTED)),
+        ):
+            _, want = await post(session, alone + route, body)
+            status, got = await pd(session, prefill, decode, route, body)
+            assert status == 200
+            assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "message"),
+    [
+        (
+            CHAT,
+            {"logprob_token_ids": [101]},
+            "logprob_token_ids",
+            "when using `logprob_token_ids`, `logprobs` must be set to true. "
+            "(parameter=logprob_token_ids)",
+        ),
+        (
+            COMPLETIONS,
+            {"logprob_token_ids": [101]},
+            "logprob_token_ids",
+            "when using `logprob_token_ids`, `logprobs` must be set. "
+            "(parameter=logprob_token_ids)",
+        ),
+        (
+            CHAT,
+            {
+                "use_beam_search": True,
+                "n": 2,
+                "logprobs": True,
+                "logprob_token_ids": [101],
+            },
+            "logprob_token_ids",
+            "`logprob_token_ids` is not supported with beam search. "
+            "(parameter=logprob_token_ids)",
+        ),
+        # Checked before the beam search's refusal of an echo's logprobs.
+        (
+            COMPLETIONS,
+            {
+                "use_beam_search": True,
+                "n": 2,
+                "echo": True,
+                "logprobs": 1,
+                "logprob_token_ids": [101],
+            },
+            "logprob_token_ids",
+            "`logprob_token_ids` is not supported with beam search. "
+            "(parameter=logprob_token_ids)",
+        ),
+        (
+            COMPLETIONS,
+            {"echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [101]},
+            "logprob_token_ids",
+            "`logprob_token_ids` is not supported when `echo=True` and "
+            "`max_tokens=0` because no output tokens are generated. "
+            "(parameter=logprob_token_ids)",
+        ),
+        (
+            COMPLETIONS,
+            {"logprobs": 1, "logprob_token_ids": list(range(129))},
+            "logprob_token_ids",
+            "Requested logprob_token_ids of length 129, which is greater than max "
+            "allowed: 128 (parameter=logprob_token_ids, value=129)",
+        ),
+        (
+            CHAT,
+            {"logprobs": True, "logprob_token_ids": [-1, 5, 257]},
+            "logprob_token_ids",
+            "token_id(s) [-1, 257] in logprob_token_ids contain out-of-vocab token "
+            "ids. Vocabulary size: 257 (parameter=logprob_token_ids, "
+            "value=[-1, 257])",
+        ),
+        # The requested tokens are checked before the prompt's logprobs.
+        (
+            COMPLETIONS,
+            {"logprobs": 1, "prompt_logprobs": 25, "logprob_token_ids": [-1]},
+            "logprob_token_ids",
+            "token_id(s) [-1] in logprob_token_ids contain out-of-vocab token ids. "
+            "Vocabulary size: 257 (parameter=logprob_token_ids, value=[-1])",
+        ),
+        (
+            COMPLETIONS,
+            {"logprobs": "x", "logprob_token_ids": [101]},
+            "logprobs",
+            "`logprobs` must be an integer. (parameter=logprobs, value=x)",
+        ),
+    ],
+)
+async def test_logprob_token_ids_vllm_refuses_are_refused_in_its_words(
+    session: aiohttp.ClientSession,
+    url: str,
+    route: str,
+    fields: dict[str, Any],
+    param: str,
+    message: str,
+) -> None:
+    body = (completion_body if route == COMPLETIONS else chat_body)(**fields)
+    status, answer = await post(session, url + route, body)
+    assert status == 400
+    assert answer["error"] == {
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": 400,
+    }

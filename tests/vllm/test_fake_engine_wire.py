@@ -37,6 +37,9 @@ MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 OTHER_PROMPT = "Foxes live in"
 SAMPLED_PAIR = {"n": 2, "temperature": 0.8, "seed": 1}
 BEAMS = {"use_beam_search": True, "n": 2}
+# Tokens to score at each generated position (in both vocabularies), one
+# listed twice.
+TOKEN_IDS = {"logprob_token_ids": [100, 200, 100]}
 
 # Fields both routes take, the same way.
 SHARED: dict[str, dict[str, Any]] = {
@@ -101,6 +104,30 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         CHAT,
         {"stream": True, "logprobs": True, "return_tokens_as_token_ids": True},
     ),
+    # Logprobs of chosen tokens (prompt_logprob_token_ids: no field of
+    # vLLM's OpenAI requests, ignored).
+    "completion-logprob-token-ids": (COMPLETIONS, {**TOKEN_IDS, "logprobs": 1}),
+    "completion-stream-logprob-token-ids": (
+        COMPLETIONS,
+        {**TOKEN_IDS, "logprobs": 0, "stream": True},
+    ),
+    "completion-echo-logprob-token-ids": (
+        COMPLETIONS,
+        {**TOKEN_IDS, "logprobs": 1, "echo": True, "prompt_logprobs": 3},
+    ),
+    "completion-logprob-token-ids-past-max-logprobs": (
+        COMPLETIONS,
+        {**TOKEN_IDS, "logprobs": 50},
+    ),
+    "chat-logprob-token-ids": (CHAT, {**TOKEN_IDS, "logprobs": True}),
+    "chat-stream-logprob-token-ids": (
+        CHAT,
+        {**TOKEN_IDS, "logprobs": True, "top_logprobs": 1, "stream": True},
+    ),
+    "completion-prompt-logprob-token-ids": (
+        COMPLETIONS,
+        {"prompt_logprob_token_ids": [[1, 2]]},
+    ),
     # Refused.
     "no-output": (COMPLETIONS, {"max_tokens": 0}),
     "stream-no-output": (COMPLETIONS, {"stream": True, "max_tokens": 0}),
@@ -124,6 +151,21 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "top-logprobs-without-logprobs": (CHAT, {"top_logprobs": 2}),
     "stream-prompt-logprobs": (COMPLETIONS, {"stream": True, "prompt_logprobs": 1}),
     "no-choices": (CHAT, {"n": 0}),
+    "logprob-token-ids-without-logprobs": (CHAT, TOKEN_IDS),
+    "completion-logprob-token-ids-without-logprobs": (COMPLETIONS, TOKEN_IDS),
+    "beam-logprob-token-ids": (CHAT, {**BEAMS, **TOKEN_IDS, "logprobs": True}),
+    "echo-no-output-logprob-token-ids": (
+        COMPLETIONS,
+        {**TOKEN_IDS, "echo": True, "max_tokens": 0, "logprobs": 1},
+    ),
+    "out-of-vocab-logprob-token-ids": (
+        COMPLETIONS,
+        {"logprobs": 1, "logprob_token_ids": [-1, 5]},
+    ),
+    "too-many-logprob-token-ids": (
+        CHAT,
+        {"logprobs": True, "logprob_token_ids": list(range(129))},
+    ),
 }
 
 
