@@ -14,6 +14,15 @@ over seconds, falls on all of them alike. A ratio is taken within each round
 (its targets ran back to back) and printed as the median over rounds with
 its spread (lowest-highest).
 
+With ``--instructions`` the proxies run under valgrind's callgrind, and
+each reports the user-space instructions it executed per request over the
+measured requests: a count that other processes' load does not move (two
+runs agree to within 1%), for comparing two versions of the proxy where
+CPU time's spread hides a few percent. It counts no kernel time, and a
+Rust binary's instructions are not a Python program's, so against the
+router it is a second figure, not the CPU goal. One round, the direct
+target left out; needs valgrind (``apt-get install valgrind``).
+
     .venv/bin/python benchmarks/bench_proxy.py
     # vllm-router in its own environment (found at .venv-bench/bin/vllm-router):
     python3.11 -m venv .venv-bench && .venv-bench/bin/pip install vllm-router==0.1.17
@@ -68,6 +77,7 @@ class Result:
     p99_ms: float
     round: int = 0
     proxy_cpu_ms_per_req: float | None = None
+    instructions_per_req: float | None = None
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -233,6 +243,64 @@ def router_binary(explicit: str | None) -> str | None:
     return shutil.which("vllm-router")
 
 
+def under_callgrind(argv: list[str], out: Path) -> list[str]:
+    """``argv`` run by callgrind, its counts dumped to ``out`` (and
+    ``out.N`` for the N-th dump on request)."""
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv]
+
+
+def callgrind_control(option: str, pid: int) -> None:
+    """Zeroes (``-z``) or dumps (``-d``) the counts of callgrind's ``pid``.
+
+    Raises:
+        subprocess.CalledProcessError: callgrind_control failed.
+    """
+    subprocess.run(
+        ["callgrind_control", option, str(pid)], check=True, capture_output=True
+    )
+
+
+def dumped_instructions(out: Path) -> int:
+    """The instruction count of the latest dump of ``out`` (``totals:``).
+
+    Raises:
+        ValueError: no dump of ``out`` holds a count.
+    """
+    dumps = sorted(out.parent.glob(out.name + ".*"), key=lambda p: p.stat().st_mtime)
+    for line in dumps[-1].read_text().splitlines() if dumps else ():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise ValueError(f"no callgrind dump of {out}")
+
+
+async def measure(
+    name: str,
+    url: str,
+    pid: int | None,
+    stream: bool,
+    args: argparse.Namespace,
+    rnd: int,
+    callgrind_out: Path | None = None,
+) -> Result:
+    """One target's measured phase in one mode and round: CPU time per
+    request, or with ``callgrind_out`` the instructions per request."""
+    mode = "stream" if stream else "non-stream"
+    if callgrind_out is None or pid is None:
+        n, errors, secs, lat, cpu_s = await load(url, stream, args, pid, args.warmup)
+        result = summarize(name, mode, n, errors, secs, lat, rnd)
+        if cpu_s is not None and n:
+            result.proxy_cpu_ms_per_req = round(cpu_s * 1000 / n, 3)
+        return result
+    await load(url, stream, args, None, args.warmup)
+    callgrind_control("-z", pid)
+    n, errors, secs, lat, _ = await load(url, stream, args, None, 0)
+    callgrind_control("-d", pid)
+    result = summarize(name, mode, n, errors, secs, lat, rnd)
+    if n:
+        result.instructions_per_req = round(dumped_instructions(callgrind_out) / n)
+    return result
+
+
 async def run(args: argparse.Namespace) -> list[Result]:
     logdir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
     procs = Processes(logdir)
@@ -268,26 +336,38 @@ async def run(args: argparse.Namespace) -> list[Result]:
         )
         await wait_ready(prefill + "/health")
         await wait_ready(decode + "/health")
-        targets: list[tuple[str, str, int | None]] = [("direct-decode", decode, None)]
+        targets: list[tuple[str, str, int | None]] = []
+        if not args.instructions:
+            targets.append(("direct-decode", decode, None))
 
+        def traced(name: str, argv: list[str]) -> list[str]:
+            if not args.instructions:
+                return argv
+            return under_callgrind(argv, logdir / f"{name}.callgrind")
+
+        # Under callgrind a proxy starts tens of times slower.
+        ready_s = 600 if args.instructions else 60
         proxy_port = free_port()
         proxy_proc = procs.start(
             "kvguard-proxy",
-            [
-                *kvguard,
-                "proxy",
-                "--prefill",
-                prefill,
-                "--decode",
-                decode,
-                "--port",
-                str(proxy_port),
-                "--log-level",
-                args.proxy_log_level,
-            ],
+            traced(
+                "kvguard-proxy",
+                [
+                    *kvguard,
+                    "proxy",
+                    "--prefill",
+                    prefill,
+                    "--decode",
+                    decode,
+                    "--port",
+                    str(proxy_port),
+                    "--log-level",
+                    args.proxy_log_level,
+                ],
+            ),
         )
         proxy = f"http://127.0.0.1:{proxy_port}"
-        await wait_ready(proxy + "/health")
+        await wait_ready(proxy + "/health", ready_s)
         targets.append(("kvguard-proxy", proxy, proxy_proc.pid))
 
         router = router_binary(args.router_bin)
@@ -297,23 +377,26 @@ async def run(args: argparse.Namespace) -> list[Result]:
             router_port = free_port()
             router_proc = procs.start(
                 "vllm-router",
-                [
-                    router,
-                    "--vllm-pd-disaggregation",
-                    "--prefill",
-                    prefill,
-                    "--decode",
-                    decode,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(router_port),
-                    "--log-level",
-                    "warning",
-                ],
+                traced(
+                    "vllm-router",
+                    [
+                        router,
+                        "--vllm-pd-disaggregation",
+                        "--prefill",
+                        prefill,
+                        "--decode",
+                        decode,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(router_port),
+                        "--log-level",
+                        "warning",
+                    ],
+                ),
             )
             router_url = f"http://127.0.0.1:{router_port}"
-            await wait_ready(router_url + "/health")
+            await wait_ready(router_url + "/health", ready_s)
             targets.append(("vllm-router", router_url, router_proc.pid))
 
         for rnd in range(args.rounds):
@@ -322,19 +405,23 @@ async def run(args: argparse.Namespace) -> list[Result]:
             for stream in (False, True):
                 mode = "stream" if stream else "non-stream"
                 for name, url, pid in order:
-                    n, errors, secs, lat, cpu_s = await load(
-                        url, stream, args, pid, args.warmup
+                    callgrind_out = None
+                    if args.instructions:
+                        callgrind_out = logdir / f"{name}.callgrind"
+                    result = await measure(
+                        name, url, pid, stream, args, rnd, callgrind_out
                     )
-                    result = summarize(name, mode, n, errors, secs, lat, rnd)
-                    cpu = ""
-                    if cpu_s is not None and n:
-                        result.proxy_cpu_ms_per_req = round(cpu_s * 1000 / n, 3)
-                        cpu = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
                     results.append(result)
+                    cost = ""
+                    if result.proxy_cpu_ms_per_req is not None:
+                        cost = f"  proxy CPU {result.proxy_cpu_ms_per_req:.3f} ms/req"
+                    if result.instructions_per_req is not None:
+                        millions = result.instructions_per_req / 1e6
+                        cost = f"  {millions:.3f} M instructions/req"
                     print(
                         f"r{rnd} {name:14s} {mode:10s} {result.rps:8.1f} req/s"
                         f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
-                        f"  errors {errors}/{n}{cpu}",
+                        f"  errors {result.errors}/{result.requests}{cost}",
                         flush=True,
                     )
     finally:
@@ -383,6 +470,13 @@ def ratios(results: list[Result]) -> list[str]:
             ]
             if cpu:
                 parts.append(f"CPU per request {_spread(cpu)}")
+            instructions = [
+                p.instructions_per_req / b.instructions_per_req
+                for p, b in clean
+                if p.instructions_per_req and b.instructions_per_req
+            ]
+            if instructions:  # under callgrind, times say nothing
+                parts = [f"instructions per request {_spread(instructions)}"]
             skipped = len(pairs) - len(clean)
             note = f" ({skipped} round(s) with errors left out)" if skipped else ""
             lines.append(
@@ -419,7 +513,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the proxies' instructions per request under callgrind "
+        "(one round; needs valgrind)",
+    )
     args = parser.parse_args(argv)
+    if args.instructions:
+        if shutil.which("valgrind") is None:
+            parser.error("--instructions needs valgrind (apt-get install valgrind)")
+        args.rounds = 1
     print(
         f"bench_proxy: 1P1D fake engines, concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, {args.rounds} rounds of <= "

@@ -11,6 +11,7 @@ import sys
 from types import ModuleType
 
 import pytest
+from ops_helpers import need
 
 from tests.support import REPO
 from tests.support.scripts import script_help
@@ -70,29 +71,8 @@ def test_bench_proxy_takes_each_ratio_within_a_round_and_prints_its_spread() -> 
 
 
 def test_bench_proxy_runs_its_targets_in_interleaved_rounds() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks/bench_proxy.py"),
-            "--skip-router",
-            "--rounds",
-            "2",
-            "--duration",
-            "0.5",
-            "--requests",
-            "12",
-            "--concurrency",
-            "2",
-            "--warmup",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    runs = [line.split()[:3] for line in result.stdout.splitlines()]
+    stdout = _run_bench_proxy("--rounds", "2", "--duration", "0.5")
+    runs = [line.split()[:3] for line in stdout.splitlines()]
     # Round 1 starts with the next target: load from elsewhere falls alike.
     assert ["r0", "direct-decode", "non-stream"] in runs
     assert runs.index(["r1", "kvguard-proxy", "non-stream"]) < runs.index(
@@ -100,5 +80,50 @@ def test_bench_proxy_runs_its_targets_in_interleaved_rounds() -> None:
     )
     for mode in ("non-stream", "stream "):
         assert f"{mode.strip():10s} kvguard-proxy / direct-decode, 2 rounds: " in (
-            result.stdout
+            stdout
         )
+
+
+def _run_bench_proxy(*options: str) -> str:
+    """A short bench_proxy run against KVGuard's proxy alone: its stdout.
+
+    Raises:
+        AssertionError: the run failed.
+    """
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks/bench_proxy.py"),
+            "--skip-router",
+            "--requests",
+            "12",
+            "--concurrency",
+            "2",
+            "--warmup",
+            "2",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_bench_proxy_counts_instructions_per_request_under_callgrind() -> None:
+    need("valgrind", "valgrind")
+    need("callgrind_control", "valgrind")
+    out = _run_bench_proxy("--instructions", "--duration", "120")
+    counts = {}
+    for line in out.splitlines():
+        words = line.split()
+        if words[:2] == ["r0", "kvguard-proxy"] and "instructions/req" in line:
+            assert "errors 0/12" in line
+            counts[words[2]] = float(words[words.index("M") - 1])
+    # About a million per request (here 1.3-2.2 M, warm-up effects included);
+    # the run's total, 12 requests' worth, would be over 8.
+    assert set(counts) == {"non-stream", "stream"}
+    assert all(0.2 < c < 8 for c in counts.values()), counts
+    assert "direct-decode" not in out  # no proxy there to count
