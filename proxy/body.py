@@ -23,9 +23,47 @@ _TOO_DEEP = "Request body is nested too deeply"
 
 # vLLM reads a body into pydantic models in lax mode, where a ``bool | None``
 # field also takes "true", "yes", "on", "1", 1, 1.0 and their false twins.
-_vllm_bool = pydantic.TypeAdapter(bool | None).validate_python
-_vllm_int = pydantic.TypeAdapter(int | None).validate_python
-_vllm_count = pydantic.TypeAdapter(int).validate_python
+_lax_bool_or_none = pydantic.TypeAdapter(bool | None).validate_python
+_lax_int_or_none = pydantic.TypeAdapter(int | None).validate_python
+_lax_int = pydantic.TypeAdapter(int).validate_python
+
+
+def _vllm_bool(value: Any) -> bool | None:
+    """``value`` as vLLM's pydantic reads a ``bool | None`` field.
+
+    A JSON bool or null is returned as pydantic would return it, without
+    its call: most bodies hold only those, and the flow reads several.
+
+    Raises:
+        pydantic.ValidationError: a value vLLM refuses too.
+    """
+    if value is None or value is True or value is False:
+        return value
+    return _lax_bool_or_none(value)
+
+
+def _vllm_int(value: Any) -> int | None:
+    """``value`` as vLLM's pydantic reads an ``int | None`` field (a JSON
+    integer or null as is; a bool, which pydantic turns into 1 or 0, is not
+    one here).
+
+    Raises:
+        pydantic.ValidationError: a value vLLM refuses too.
+    """
+    if value is None or type(value) is int:
+        return value
+    return _lax_int_or_none(value)
+
+
+def _vllm_count(value: Any) -> int:
+    """``value`` as vLLM's pydantic reads an ``int`` field.
+
+    Raises:
+        pydantic.ValidationError: a value vLLM refuses too (null included).
+    """
+    if type(value) is int:
+        return value
+    return _lax_int(value)
 
 
 class _StreamOptions(pydantic.BaseModel):

@@ -8,6 +8,7 @@ from collections import Counter
 from fractions import Fraction
 
 import msgspec
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,12 @@ from proxy.body import (
     BadRequest,
     OutputBudget,
     Route,
+    _lax_bool_or_none,
+    _lax_int,
+    _lax_int_or_none,
+    _vllm_bool,
+    _vllm_count,
+    _vllm_int,
     check_decode_fields,
     decode_body,
     kv_params_of,
@@ -475,6 +482,37 @@ def test_scanner_verdict_does_not_depend_on_chunking(payload, size):
 def test_bodies_the_flow_cannot_use_are_bad_requests(raw, route, why):
     with pytest.raises(BadRequest, match=why):
         parse_request(raw, route)
+
+
+_JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.sampled_from(["true", "yes", "off", "0", "1", "2", " 3 ", "1.0", "x", ""]),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+def _outcome(read, value):
+    """What ``read`` makes of ``value``: its result with its type, or the
+    refusal."""
+    try:
+        result = read(value)
+    except pydantic.ValidationError:
+        return "refused"
+    return type(result), result
+
+
+@given(_JSON_SCALARS)
+def test_the_flows_field_reads_equal_pydantics_lax_reads_for_any_json_value(value):
+    for fast, lax in (
+        (_vllm_bool, _lax_bool_or_none),
+        (_vllm_int, _lax_int_or_none),
+        (_vllm_count, _lax_int),
+    ):
+        assert _outcome(fast, value) == _outcome(lax, value), (fast, value)
 
 
 def test_decode_body_splices_params_byte_for_byte():
