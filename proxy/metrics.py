@@ -7,10 +7,10 @@ instances vanish from /metrics instead of leaving stale series.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -21,14 +21,32 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-class LoopHistogram(Collector):
-    """A histogram without labels that only the event loop observes: one
-    ``observe`` is a bisection and two additions, a tenth of
-    ``prometheus_client.Histogram``'s locked updates. For a figure taken
-    per relayed chunk.
+class LoopSeries:
+    """One label set's buckets of a ``LoopHistogram``: what ``observe``
+    updates."""
 
-    A scrape (in a thread) copies the counts; an observation landing
-    during the copy shows in the next scrape's sum or count.
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above all bounds
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # A bucket holds the values up to and including its bound.
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class LoopHistogram(Collector):
+    """A histogram that only the event loop observes: one ``observe`` is a
+    bisection and two additions, a tenth of ``prometheus_client.Histogram``'s
+    locked updates. For figures taken per request or per relayed chunk.
+
+    With ``labelnames``, ``labels`` gives each label set's series, made on
+    first use as prometheus_client makes them; without, ``observe`` updates
+    the one series. A scrape (in a thread) copies the counts; an observation
+    landing during the copy shows in the next scrape's sum or count.
     """
 
     def __init__(
@@ -37,26 +55,51 @@ class LoopHistogram(Collector):
         documentation: str,
         buckets: Iterable[float],
         registry: CollectorRegistry,
+        labelnames: Sequence[str] = (),
     ) -> None:
         self._name = name
         self._documentation = documentation
         self._bounds = sorted(buckets)
-        self._counts = [0] * (len(self._bounds) + 1)  # the last: above all
-        self._sum = 0.0
+        self._labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], LoopSeries] = {}
+        if not self._labelnames:
+            self.labels()  # exposed from the start, as prometheus_client does
         registry.register(self)
 
+    def labels(self, *values: str) -> LoopSeries:
+        """The series of the label set ``values`` (in ``labelnames`` order).
+
+        Raises:
+            ValueError: ``values`` does not name every label.
+        """
+        series = self._series.get(values)
+        if series is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}")
+            series = self._series[values] = LoopSeries(self._bounds)
+        return series
+
     def observe(self, value: float) -> None:
-        # A bucket holds the values up to and including its bound.
-        self._counts[bisect_left(self._bounds, value)] += 1
-        self._sum += value
+        """Observes ``value`` in the one series of a histogram without labels
+        (a hot path holds ``labels()`` instead: one call fewer).
+
+        Raises:
+            ValueError: the histogram has labels.
+        """
+        self.labels().observe(value)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        counts, total = list(self._counts), self._sum
         bounds = [*map(floatToGoString, self._bounds), "+Inf"]
-        family = HistogramMetricFamily(self._name, self._documentation)
-        family.add_metric(
-            [], list(zip(bounds, map(float, accumulate(counts)), strict=True)), total
+        family = HistogramMetricFamily(
+            self._name, self._documentation, labels=self._labelnames
         )
+        for values, series in list(self._series.items()):
+            counts, total = list(series.counts), series.sum
+            family.add_metric(
+                list(values),
+                list(zip(bounds, map(float, accumulate(counts)), strict=True)),
+                total,
+            )
         yield family
 
 
@@ -121,32 +164,32 @@ class ProxyMetrics:
             ["route", "outcome"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "kvguard_proxy_ttft_seconds",
             "Time to the first byte sent to the client (streams: first token)",
+            _LATENCY,
+            r,
             ["route"],
-            buckets=_LATENCY,
-            registry=r,
         )
         self.inter_token = LoopHistogram(
             "kvguard_proxy_inter_token_seconds",
             "Gaps between relayed stream chunks",
-            buckets=_GAP,
-            registry=r,
+            _GAP,
+            r,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "kvguard_proxy_e2e_seconds",
             "Client request duration, end to end",
+            _LATENCY,
+            r,
             ["route"],
-            buckets=_LATENCY,
-            registry=r,
         )
-        self.leg = Histogram(
+        self.leg = LoopHistogram(
             "kvguard_proxy_leg_seconds",
             "Per-leg latency: prefill (whole), decode (to first data or full reply)",
+            _LATENCY,
+            r,
             ["leg"],
-            buckets=_LATENCY,
-            registry=r,
         )
         self.retries = Counter(
             "kvguard_proxy_retries",
@@ -185,10 +228,10 @@ class ProxyMetrics:
         self.in_flight.set_function(in_flight)
         r.register(_InstanceCollector(instances))
         self._requests_children: dict[tuple[str, str], Counter] = {}
-        self._route_children: dict[str, tuple[Histogram, Histogram]] = {}
+        self._route_children: dict[str, tuple[LoopSeries, LoopSeries]] = {}
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode = self.leg.labels("decode")
-        self.gaps = self.inter_token
+        self.gaps = self.inter_token.labels()
 
     def count_request(self, route: str, outcome: str) -> None:
         child = self._requests_children.get((route, outcome))
@@ -212,7 +255,7 @@ class ProxyMetrics:
             self.integrity_failures, ("prefill", "decode"), lambda v: v[column] == url
         )
 
-    def route_histograms(self, route: str) -> tuple[Histogram, Histogram]:
+    def route_histograms(self, route: str) -> tuple[LoopSeries, LoopSeries]:
         """(ttft, e2e) children for ``route``, cached: labels() is not free."""
         pair = self._route_children.get(route)
         if pair is None:

@@ -920,3 +920,47 @@ def test_loop_histogram_exposes_what_prometheus_histogram_does(values):
         if "_created" not in line  # a series of its own; nothing reads it
     ]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["completions", "chat", 'a "quoted"\\label']),
+            st.one_of(
+                st.sampled_from(_GAP_BUCKETS),
+                st.floats(min_value=0, max_value=20, allow_nan=False),
+            ),
+        ),
+        max_size=50,
+    )
+)
+def test_a_labelled_loop_histogram_exposes_what_prometheus_histogram_does(
+    observations,
+):
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopHistogram("ttft_seconds", "TTFT", _GAP_BUCKETS, ours, ["route"])
+    reference = Histogram(
+        "ttft_seconds", "TTFT", ["route"], buckets=_GAP_BUCKETS, registry=theirs
+    )
+    for route, value in observations:
+        loop.labels(route).observe(value)
+        reference.labels(route).observe(value)
+    expected = [
+        line
+        for line in generate_latest(theirs).decode().splitlines()
+        if "_created" not in line
+    ]
+    assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_a_loop_histogram_refuses_the_wrong_labels():
+    registry = CollectorRegistry()
+    labelled = LoopHistogram("a_seconds", "A", _GAP_BUCKETS, registry, ["route"])
+    with pytest.raises(ValueError, match="takes labels"):
+        labelled.observe(1.0)
+    with pytest.raises(ValueError, match="takes labels"):
+        labelled.labels("chat", "extra")
+    plain = LoopHistogram("b_seconds", "B", _GAP_BUCKETS, registry)
+    with pytest.raises(ValueError, match="takes labels"):
+        plain.labels("chat")
