@@ -16,12 +16,15 @@ its spread (lowest-highest).
 
 With ``--instructions`` the proxies run under valgrind's callgrind, and
 each reports the user-space instructions it executed per request over the
-measured requests: a count that other processes' load does not move (two
-runs agree to within 1%), for comparing two versions of the proxy where
-CPU time's spread hides a few percent. It counts no kernel time, and a
-Rust binary's instructions are not a Python program's, so against the
-router it is a second figure, not the CPU goal. One round, the direct
-target left out; needs valgrind (``apt-get install valgrind``).
+measured requests: on a quiet machine two runs agree to within 1%, where
+CPU time per request moves by 10-20%. The decode's chunking follows timing,
+so under other load the counts move by a few percent: compare versions
+within one run. ``--baseline DIR`` adds a KVGuard proxy run from another
+checkout (a ``git worktree`` of the commit before) and the ratios against
+it. The count leaves out kernel time, and a Rust binary's instructions are
+not a Python program's: against the router it is a second figure, not the
+CPU goal. One round, the direct target left out; needs valgrind
+(``apt-get install valgrind``).
 
     .venv/bin/python benchmarks/bench_proxy.py
     # vllm-router in its own environment (found at .venv-bench/bin/vllm-router):
@@ -370,6 +373,38 @@ async def run(args: argparse.Namespace) -> list[Result]:
         await wait_ready(proxy + "/health", ready_s)
         targets.append(("kvguard-proxy", proxy, proxy_proc.pid))
 
+        if args.baseline:
+            baseline_port = free_port()
+            # The other checkout's packages first on the path: its kvguard.
+            run_from = (
+                "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                "from kvguard.cli import main; sys.exit(main())"
+            )
+            baseline_proc = procs.start(
+                "kvguard-baseline",
+                traced(
+                    "kvguard-baseline",
+                    [
+                        sys.executable,
+                        "-c",
+                        run_from,
+                        args.baseline,
+                        "proxy",
+                        "--prefill",
+                        prefill,
+                        "--decode",
+                        decode,
+                        "--port",
+                        str(baseline_port),
+                        "--log-level",
+                        args.proxy_log_level,
+                    ],
+                ),
+            )
+            baseline_url = f"http://127.0.0.1:{baseline_port}"
+            await wait_ready(baseline_url + "/health", ready_s)
+            targets.append(("kvguard-baseline", baseline_url, baseline_proc.pid))
+
         router = router_binary(args.router_bin)
         if router is None or args.skip_router:
             print("vllm-router: not found or skipped (see the module docstring)")
@@ -419,7 +454,7 @@ async def run(args: argparse.Namespace) -> list[Result]:
                         millions = result.instructions_per_req / 1e6
                         cost = f"  {millions:.3f} M instructions/req"
                     print(
-                        f"r{rnd} {name:14s} {mode:10s} {result.rps:8.1f} req/s"
+                        f"r{rnd} {name:16s} {mode:10s} {result.rps:8.1f} req/s"
                         f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms"
                         f"  errors {result.errors}/{result.requests}{cost}",
                         flush=True,
@@ -446,7 +481,7 @@ def ratios(results: list[Result]) -> list[str]:
     rounds = sorted({r.round for r in results})
     lines = []
     for mode in ("non-stream", "stream"):
-        for other in ("vllm-router", "direct-decode"):
+        for other in ("kvguard-baseline", "vllm-router", "direct-decode"):
             pairs = [
                 (by[("kvguard-proxy", mode, rnd)], by[(other, mode, rnd)])
                 for rnd in rounds
@@ -514,12 +549,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run KVGuard's proxy from this checkout (another version)",
+    )
+    parser.add_argument(
         "--instructions",
         action="store_true",
         help="count the proxies' instructions per request under callgrind "
         "(one round; needs valgrind)",
     )
     args = parser.parse_args(argv)
+    if args.baseline:
+        args.baseline = str(Path(args.baseline).resolve())
+        if not (Path(args.baseline) / "kvguard" / "cli.py").is_file():
+            parser.error(f"--baseline {args.baseline}: no KVGuard checkout there")
     if args.instructions:
         if shutil.which("valgrind") is None:
             parser.error("--instructions needs valgrind (apt-get install valgrind)")

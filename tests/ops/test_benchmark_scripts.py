@@ -71,17 +71,19 @@ def test_bench_proxy_takes_each_ratio_within_a_round_and_prints_its_spread() -> 
 
 
 def test_bench_proxy_runs_its_targets_in_interleaved_rounds() -> None:
-    stdout = _run_bench_proxy("--rounds", "2", "--duration", "0.5")
+    stdout = _run_bench_proxy(
+        "--rounds", "2", "--duration", "0.5", "--baseline", str(REPO)
+    )
     runs = [line.split()[:3] for line in stdout.splitlines()]
     # Round 1 starts with the next target: load from elsewhere falls alike.
     assert ["r0", "direct-decode", "non-stream"] in runs
     assert runs.index(["r1", "kvguard-proxy", "non-stream"]) < runs.index(
         ["r1", "direct-decode", "non-stream"]
     )
-    for mode in ("non-stream", "stream "):
-        assert f"{mode.strip():10s} kvguard-proxy / direct-decode, 2 rounds: " in (
-            stdout
-        )
+    assert ["r0", "kvguard-baseline", "stream"] in runs
+    for mode in ("non-stream", "stream"):
+        for other in ("direct-decode", "kvguard-baseline"):
+            assert f"{mode:10s} kvguard-proxy / {other}, 2 rounds: " in stdout
 
 
 def _run_bench_proxy(*options: str) -> str:
