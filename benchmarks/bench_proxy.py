@@ -343,6 +343,19 @@ async def run(args: argparse.Namespace) -> list[Result]:
         if not args.instructions:
             targets.append(("direct-decode", decode, None))
 
+        def proxy_args(port: int) -> list[str]:
+            return [
+                "proxy",
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--port",
+                str(port),
+                "--log-level",
+                args.proxy_log_level,
+            ]
+
         def traced(name: str, argv: list[str]) -> list[str]:
             if not args.instructions:
                 return argv
@@ -353,21 +366,7 @@ async def run(args: argparse.Namespace) -> list[Result]:
         proxy_port = free_port()
         proxy_proc = procs.start(
             "kvguard-proxy",
-            traced(
-                "kvguard-proxy",
-                [
-                    *kvguard,
-                    "proxy",
-                    "--prefill",
-                    prefill,
-                    "--decode",
-                    decode,
-                    "--port",
-                    str(proxy_port),
-                    "--log-level",
-                    args.proxy_log_level,
-                ],
-            ),
+            traced("kvguard-proxy", [*kvguard, *proxy_args(proxy_port)]),
         )
         proxy = f"http://127.0.0.1:{proxy_port}"
         await wait_ready(proxy + "/health", ready_s)
@@ -389,15 +388,7 @@ async def run(args: argparse.Namespace) -> list[Result]:
                         "-c",
                         run_from,
                         args.baseline,
-                        "proxy",
-                        "--prefill",
-                        prefill,
-                        "--decode",
-                        decode,
-                        "--port",
-                        str(baseline_port),
-                        "--log-level",
-                        args.proxy_log_level,
+                        *proxy_args(baseline_port),
                     ],
                 ),
             )

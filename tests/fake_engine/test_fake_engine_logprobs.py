@@ -73,6 +73,24 @@ async def test_completion_logprobs_name_each_token_and_its_likeliest_rivals(
         )
 
 
+async def _streamed_logprobs_join_to_whole(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The logprobs of ``body``'s reply, checked equal to its stream's chunks'
+    logprobs joined."""
+    _, whole = await post(session, url, body)
+    _, events = await stream(session, url, {**body, "stream": True})
+    pieces = [
+        e["choices"][0]["logprobs"]
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["logprobs"]
+    ]
+    want = whole["choices"][0]["logprobs"]
+    joined = {k: [x for p in pieces for x in p[k]] for k in want}
+    assert joined == want, url
+    return want
+
+
 async def test_a_stream_carries_the_same_logprobs_chunk_by_chunk(
     session: aiohttp.ClientSession, url: str
 ) -> None:
@@ -80,16 +98,7 @@ async def test_a_stream_carries_the_same_logprobs_chunk_by_chunk(
         (COMPLETIONS, completion_body(logprobs=2, echo=True)),
         (CHAT, chat_body(logprobs=True, top_logprobs=2)),
     ):
-        _, whole = await post(session, url + route, body)
-        _, events = await stream(session, url + route, {**body, "stream": True})
-        pieces = [
-            e["choices"][0]["logprobs"]
-            for e in events[:-1]
-            if e["choices"] and e["choices"][0]["logprobs"]
-        ]
-        want = whole["choices"][0]["logprobs"]
-        joined = {k: [x for p in pieces for x in p[k]] for k in want}
-        assert joined == want, route
+        await _streamed_logprobs_join_to_whole(session, url + route, body)
 
 
 async def test_an_echo_scores_the_prompt_before_the_text(
@@ -293,16 +302,7 @@ async def test_a_stream_carries_the_requested_logprobs_chunk_by_chunk(
         (COMPLETIONS, completion_body(logprobs=0, logprob_token_ids=REQUESTED)),
         (CHAT, chat_body(logprobs=True, logprob_token_ids=REQUESTED)),
     ):
-        _, whole = await post(session, url + route, body)
-        _, events = await stream(session, url + route, {**body, "stream": True})
-        pieces = [
-            e["choices"][0]["logprobs"]
-            for e in events[:-1]
-            if e["choices"] and e["choices"][0]["logprobs"]
-        ]
-        want = whole["choices"][0]["logprobs"]
-        joined = {k: [x for p in pieces for x in p[k]] for k in want}
-        assert joined == want, route
+        want = await _streamed_logprobs_join_to_whole(session, url + route, body)
         if route == CHAT:
             for entry in want["content"]:
                 listed = [t["token"] for t in entry["top_logprobs"]]
