@@ -826,8 +826,7 @@ class Flow:
             return self._decode_error(attempt, status, data)
         if status >= 400:
             return _passthrough(status, data, content_type, req.request_id)
-        ttft, _ = st.metrics.route_histograms(req.route.label)
-        ttft.observe(time.monotonic() - req.started)
+        st.metrics.ttft.labels(req.route.label).observe(time.monotonic() - req.started)
         return Answer(
             web.Response(
                 body=data,
@@ -1000,8 +999,7 @@ class Flow:
             if not done:
                 self._abort(decode, attempt.id, None)
             return failure
-        ttft, _ = st.metrics.route_histograms(req.route.label)
-        ttft.observe(time.monotonic() - req.started)
+        st.metrics.ttft.labels(req.route.label).observe(time.monotonic() - req.started)
         return Answer(
             web.Response(
                 body=_encode_json(result),
@@ -1031,8 +1029,9 @@ class Flow:
         outcome = "client_disconnected"  # until the stream has ended
         try:
             if await _write(out, first.held, prepare=req.http):
-                ttft, _ = st.metrics.route_histograms(req.route.label)
-                ttft.observe(time.monotonic() - req.started)
+                st.metrics.ttft.labels(req.route.label).observe(
+                    time.monotonic() - req.started
+                )
                 end = await self._pump(req, resp, out, first.held)
                 if end is not None:
                     last_event = DONE_EVENT if end.done else b""
@@ -1238,8 +1237,7 @@ class Flow:
         req.outcome = outcome
         metrics = self.state.metrics
         metrics.count_request(req.route.label, outcome)
-        _, e2e = metrics.route_histograms(req.route.label)
-        e2e.observe(time.monotonic() - req.started)
+        metrics.e2e.labels(req.route.label).observe(time.monotonic() - req.started)
 
 
 _TOTAL_TIMEOUT = "total_timeout"

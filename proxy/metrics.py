@@ -228,7 +228,6 @@ class ProxyMetrics:
         self.in_flight.set_function(in_flight)
         r.register(_InstanceCollector(instances))
         self._requests_children: dict[tuple[str, str], Counter] = {}
-        self._route_children: dict[str, tuple[LoopSeries, LoopSeries]] = {}
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode = self.leg.labels("decode")
         self.gaps = self.inter_token.labels()
@@ -254,16 +253,6 @@ class ProxyMetrics:
         remove_series(
             self.integrity_failures, ("prefill", "decode"), lambda v: v[column] == url
         )
-
-    def route_histograms(self, route: str) -> tuple[LoopSeries, LoopSeries]:
-        """(ttft, e2e) children for ``route``, cached: labels() is not free."""
-        pair = self._route_children.get(route)
-        if pair is None:
-            pair = self._route_children[route] = (
-                self.ttft.labels(route),
-                self.e2e.labels(route),
-            )
-        return pair
 
 
 def remove_series(
