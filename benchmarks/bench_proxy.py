@@ -356,10 +356,12 @@ async def run(args: argparse.Namespace) -> list[Result]:
                 args.proxy_log_level,
             ]
 
+        def callgrind_out(name: str) -> Path | None:
+            return logdir / f"{name}.callgrind" if args.instructions else None
+
         def traced(name: str, argv: list[str]) -> list[str]:
-            if not args.instructions:
-                return argv
-            return under_callgrind(argv, logdir / f"{name}.callgrind")
+            out = callgrind_out(name)
+            return argv if out is None else under_callgrind(argv, out)
 
         # Under callgrind a proxy starts tens of times slower.
         ready_s = 600 if args.instructions else 60
@@ -431,11 +433,8 @@ async def run(args: argparse.Namespace) -> list[Result]:
             for stream in (False, True):
                 mode = "stream" if stream else "non-stream"
                 for name, url, pid in order:
-                    callgrind_out = None
-                    if args.instructions:
-                        callgrind_out = logdir / f"{name}.callgrind"
                     result = await measure(
-                        name, url, pid, stream, args, rnd, callgrind_out
+                        name, url, pid, stream, args, rnd, callgrind_out(name)
                     )
                     results.append(result)
                     cost = ""
