@@ -146,11 +146,16 @@ async def test_a_pd_pair_gives_the_logprobs_one_engine_gives(
     async with fake_engines(
         EngineSpec(role=Role.PRODUCER), EngineSpec(role=Role.CONSUMER), EngineSpec()
     ) as (prefill, decode, alone):
-        body = completion_body(logprobs=2)
-        _, want = await post(session, alone + COMPLETIONS, body)
-        status, got = await pd(session, prefill, decode, COMPLETIONS, body)
-    assert status == 200
-    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+        for route, body in (
+            (COMPLETIONS, completion_body(logprobs=2)),
+            # The requested tokens' logprobs too (logprob_token_ids).
+            (COMPLETIONS, completion_body(logprobs=1, logprob_token_ids=REQUESTED)),
+            (CHAT, chat_body(logprobs=True, logprob_token_ids=REQUESTED)),
+        ):
+            _, want = await post(session, alone + route, body)
+            status, got = await pd(session, prefill, decode, route, body)
+            assert status == 200
+            assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
 
 
 @pytest.mark.parametrize(
@@ -380,22 +385,6 @@ async def test_prompt_logprob_token_ids_are_ignored_as_vllm_ignores_unknown_fiel
         assert status == 200
         assert got["choices"] == want["choices"]
         assert got.get("prompt_logprobs") is None
-
-
-async def test_a_pd_pair_gives_the_requested_logprobs_one_engine_gives(
-    session: aiohttp.ClientSession,
-) -> None:
-    async with fake_engines(
-        EngineSpec(role=Role.PRODUCER), EngineSpec(role=Role.CONSUMER), EngineSpec()
-    ) as (prefill, decode, alone):
-        for route, body in (
-            (COMPLETIONS, completion_body(logprobs=1, logprob_token_ids=REQUESTED)),
-            (CHAT, chat_body(logprobs=True, logprob_token_ids=REQUESTED)),
-        ):
-            _, want = await post(session, alone + route, body)
-            status, got = await pd(session, prefill, decode, route, body)
-            assert status == 200
-            assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ a short interleaved run, and its ratios are checked."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from types import ModuleType
 
@@ -14,7 +13,7 @@ import pytest
 from ops_helpers import need
 
 from tests.support import REPO
-from tests.support.scripts import script_help
+from tests.support.scripts import run_script, script_help
 
 
 @pytest.mark.parametrize(
@@ -92,26 +91,18 @@ def _run_bench_proxy(*options: str) -> str:
     Raises:
         AssertionError: the run failed.
     """
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks/bench_proxy.py"),
-            "--skip-router",
-            "--requests",
-            "12",
-            "--concurrency",
-            "2",
-            "--warmup",
-            "2",
-            *options,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    return run_script(
+        "benchmarks/bench_proxy.py",
+        "--skip-router",
+        "--requests",
+        "12",
+        "--concurrency",
+        "2",
+        "--warmup",
+        "2",
+        *options,
+        timeout_s=600,
     )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
 
 
 def test_bench_proxy_counts_instructions_per_request_under_callgrind() -> None:

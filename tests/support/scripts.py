@@ -8,15 +8,15 @@ import sys
 from tests.support import REPO
 
 
-def script_help(relative_path: str, timeout_s: float = 300) -> str:
-    """Run ``python <script> --help`` from the repository and return what it
-    printed: a script that starts imports everything it uses.
+def run_script(relative_path: str, *options: str, timeout_s: float = 300) -> str:
+    """Run ``python <script> <options>`` from the repository and return what
+    it printed.
 
     Raises:
         AssertionError: If the script exits with an error.
     """
     result = subprocess.run(
-        [sys.executable, str(REPO / relative_path), "--help"],
+        [sys.executable, str(REPO / relative_path), *options],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -24,3 +24,13 @@ def script_help(relative_path: str, timeout_s: float = 300) -> str:
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def script_help(relative_path: str, timeout_s: float = 300) -> str:
+    """Run ``python <script> --help`` from the repository and return what it
+    printed: a script that starts imports everything it uses.
+
+    Raises:
+        AssertionError: If the script exits with an error.
+    """
+    return run_script(relative_path, "--help", timeout_s=timeout_s)

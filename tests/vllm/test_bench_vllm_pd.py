@@ -8,8 +8,6 @@ import gc
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support import REPO
-from tests.support.scripts import script_help
+from tests.support.scripts import run_script, script_help
 
 pytestmark = pytest.mark.vllm
 
@@ -30,19 +28,7 @@ def test_bench_vllm_pd_starts() -> None:
 
 
 def test_scheduler_breakdown_times_each_call_of_both_roles() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks/bench_vllm_pd.py"),
-            "--scheduler-breakdown",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    out = run_script("benchmarks/bench_vllm_pd.py", "--scheduler-breakdown")
     for role in ("producer", "consumer"):
         for per_step in (1, 16):
             line = rf"^{role}, 64 blocks, {per_step} per step: [\d.]+ us per request"
