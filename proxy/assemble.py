@@ -58,24 +58,39 @@ class Assembler:
         self._prompt_token_ids = prompt_token_ids
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        """Adds one chunk; chunks come in stream order."""
+        """Adds one chunk; chunks come in stream order.
+
+        Raises:
+            ValueError: If its ``choices`` is not an array (nor null), a
+                choice's ``index`` is not an integer (choices could not be
+                told apart) or a chat choice's ``message`` is not an object;
+                the chunk may be partly added.
+
+        """
         for key, value in chunk.items():
             if key == "choices":
-                for choice in value or ():
-                    if isinstance(choice, dict):
-                        self._choice(choice)
+                if type(value) is list:
+                    for choice in value:
+                        if type(choice) is dict:
+                            self._choice(choice)
+                elif value is not None:
+                    raise ValueError("its choices are not an array")
             elif value is not None or key not in self._top:
                 self._top[key] = value
 
     def _choice(self, delta: dict[str, Any]) -> None:
         index = delta.get("index", 0)
+        if type(index) is not int:
+            raise ValueError("a choice's index is not an integer")
         into = self._choices.get(index)
         if into is None:
             into = self._choices[index] = {}
         for key, value in delta.items():
             if key == "delta":  # chat: the message's pieces
                 message = into.setdefault("message", {})
-                if isinstance(value, dict):
+                if type(message) is not dict:
+                    raise ValueError("a choice's message is not an object")
+                if type(value) is dict:
                     _merge(message, value)
             # _merge_item's commonest cases inline: a choice's null fields,
             # a first scalar (its copy is itself) and a piece of text.

@@ -52,7 +52,7 @@ from proxy.errors import error_event, error_response
 from proxy.idle import IdleTimeout
 from proxy.instances import Instance, ModelPools, short_contexts
 from proxy.protocol import DONE_EVENT, INTEGRITY_MARKER
-from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_message
+from proxy.sse import DONE, EventReader, First, FirstEventScanner, error_of
 from proxy.upstream import ReplyTooLarge, UpstreamResponse, read_capped
 
 if TYPE_CHECKING:
@@ -1132,22 +1132,26 @@ class Flow:
         self, attempt: Attempt, data: bytes, reply: Assembler
     ) -> Failure | None:
         """Adds one data event of a collected stream to ``reply``, or fails."""
-        message = error_message(data)
-        if message is not None:
-            return self._decode_error(attempt, 200, message.encode())
         try:
             chunk = _decode_json(data)
         except (msgspec.DecodeError, RecursionError):
             chunk = None
-        if not isinstance(chunk, dict):
-            return self._answered(
-                "decode_bad_reply",
-                "decode stream event is not a JSON object",
-                attempt.decode,
-                attempt.prefill,
-            )
-        reply.feed(chunk)
+        if type(chunk) is not dict:
+            return self._bad_reply(attempt, "decode stream event is not a JSON object")
+        if (message := error_of(chunk)) is not None:
+            return self._decode_error(attempt, 200, message.encode())
+        try:
+            reply.feed(chunk)
+        except ValueError as exc:
+            return self._bad_reply(attempt, f"decode stream event: {exc}")
         return None
+
+    def _bad_reply(self, attempt: Attempt, message: str) -> Failure:
+        """The decode answered something that is no reply: the attempt fails
+        on it, as on an error status."""
+        return self._answered(
+            "decode_bad_reply", message, attempt.decode, attempt.prefill
+        )
 
     def _decode_transport_failure(
         self, decode: Instance, exc: BaseException, timeout: aiohttp.ClientTimeout

@@ -40,6 +40,12 @@ def error_message(data: bytes) -> str | None:
         obj = _decode_json(data)
     except (msgspec.DecodeError, RecursionError):
         return None
+    return error_of(obj)
+
+
+def error_of(obj: object) -> str | None:
+    """The message of a parsed ``{"error": ...}`` event; None for other
+    events."""
     if not isinstance(obj, dict) or "error" not in obj:
         return None
     err = obj["error"]

@@ -91,6 +91,8 @@ class StubEngine:
     # The entries of its /v1/models (vLLM's give max_model_len); by default
     # one without, named after the port.
     served: list[dict[str, Any]] | None = None
+    # Data events (payloads) a decode streams instead of its text.
+    events: list[bytes] | None = None
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -266,6 +268,11 @@ class StubEngine:
                 await resp.write(
                     b"data: " + msgspec.json.encode(chunk) + b"\n\ndata: [DONE]\n\n"
                 )
+                return resp
+            if self.events is not None:
+                for event in self.events:
+                    await resp.write(b"data: " + event + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
                 return resp
             words = text.split(" ")[1:]
             for i, word in enumerate(words):

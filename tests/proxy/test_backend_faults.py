@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from proxy_helpers import make_config
+from proxy_helpers import expected_text, make_config
 
 from proxy.config import ProxyConfig, TimeoutsConfig
 from proxy.testing import running_proxy
@@ -126,6 +126,40 @@ async def test_a_decode_failing_what_another_serves_is_taken_out_of_service(stub
             await resp.read()
         healthy = {i.url: i.healthy for i in px.state.all_instances()}
     assert healthy == {p.url: True, bad.url: False, good.url: True}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'"text"',
+        b'{"choices": 5}',
+        b'{"choices": [{"index": [1], "text": "a"}]}',
+        b'{"choices": [{"index": "0", "text": "a"}]}',
+        b'{"choices": [{"index": true, "text": "a"}]}',
+        b'{"choices": [{"index": 0, "message": "a", "delta": {"content": "b"}}]}',
+    ],
+    ids=[
+        "not-an-object",
+        "choices-not-a-list",
+        "index-a-list",
+        "index-text",
+        "index-bool",
+        "message-text",
+    ],
+)
+async def test_a_decode_streaming_no_reply_to_a_non_streaming_request_is_retried(
+    stubs, event
+):
+    p, bad, good = await stubs(), await stubs(events=[event]), await stubs()
+    config = one_prefill_two_decodes(p.url, bad.url, good.url)
+    async with running_proxy(config) as px:
+        for _ in range(4):
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["text"] == expected_text("hi", 4)
+        metrics = await px.metrics()
+    assert bad.bodies("/v1/completions")
+    assert f'instance="{bad.url}",reason="decode_bad_reply"' in metrics
 
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
