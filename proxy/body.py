@@ -434,17 +434,23 @@ _decode_reply = msgspec.json.Decoder(_PrefillReply).decode
 
 
 def kv_params_of(reply: bytes) -> bytes | None:
-    """The raw ``kv_transfer_params`` value of a prefill's reply, or None.
+    """The raw ``kv_transfer_params`` object of a prefill's reply, or None
+    (absent or null).
 
     Raises:
-        msgspec.DecodeError: the reply is not a JSON object, or is nested
-            too deeply to parse.
+        ValueError: the reply is not a JSON object (or is nested too deeply
+            to parse), or its ``kv_transfer_params`` is not an object: no
+            decode could use it.
     """
     try:
         raw = bytes(_decode_reply(reply).kv_transfer_params)
-    except RecursionError:
-        raise msgspec.DecodeError("nested too deeply") from None
-    return None if raw == b"null" else raw
+    except (msgspec.DecodeError, RecursionError):
+        raise ValueError("prefill reply is not a JSON object") from None
+    if raw == b"null":
+        return None
+    if not raw.startswith(b"{"):
+        raise ValueError("prefill reply's kv_transfer_params is not an object")
+    return raw
 
 
 class _KvIds(msgspec.Struct):

@@ -771,10 +771,8 @@ class Flow:
             )
         try:
             kv_params = kv_params_of(body)
-        except msgspec.DecodeError:
-            return self._answered(
-                "prefill_bad_reply", "prefill reply is not a JSON object", prefill
-            )
+        except ValueError as exc:
+            return self._answered("prefill_bad_reply", str(exc), prefill)
         st.health.note(prefill, ok=True)
         return Prefilled(kv_params)
 

@@ -525,11 +525,14 @@ def test_decode_body_splices_params_byte_for_byte():
     assert msgspec.json.decode(out)["kv_transfer_params"]["kv_checksums"] == "Zm9v"
 
 
-def test_prefill_reply_params_are_kept_raw():
+def test_prefill_reply_params_are_kept_raw_and_must_be_an_object():
     reply = b'{"id": "x", "kv_transfer_params": {"b": 1,  "a": [2]}}'
     assert kv_params_of(reply) == b'{"b": 1,  "a": [2]}'
     assert kv_params_of(b'{"kv_transfer_params": null}') is None
     assert kv_params_of(b'{"id": 1}') is None
+    for bad in (b"[1]", b"{", b'{"kv_transfer_params": true}'):
+        with pytest.raises(ValueError):
+            kv_params_of(bad)
 
 
 def test_prefill_body_caps_tokens_only_where_the_client_had_them():
