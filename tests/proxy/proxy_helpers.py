@@ -93,6 +93,8 @@ class StubEngine:
     served: list[dict[str, Any]] | None = None
     # Data events (payloads) a decode streams instead of its text.
     events: list[bytes] | None = None
+    # The body a prefill answers instead of its token and params.
+    prefill_reply: bytes | None = None
     runner: web.AppRunner | None = None
     _idle_since: dict[Any, float] = field(default_factory=dict)
 
@@ -195,6 +197,10 @@ class StubEngine:
                 except asyncio.CancelledError:
                     self.cancelled += 1
                     raise
+            if self.prefill_reply is not None:
+                return web.Response(
+                    body=self.prefill_reply, content_type="application/json"
+                )
             internal = f"internal-{rid}"
             self.held.add(internal)
             return await self._json(
