@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.protocol import INTEGRITY_MARKER
-from proxy.testing import RunningProxy
+from proxy.testing import RunningProxy, running_proxy
 
 _STUBS: dict[int, StubEngine] = {}
 
@@ -374,6 +374,24 @@ async def stubs() -> AsyncIterator[Callable[..., Any]]:
     yield make
     for stub in started:
         await stub.stop()
+
+
+async def one_attempt(
+    prefill: StubEngine, decode: StubEngine, path: str, body: Any
+) -> tuple[int, Mapping[str, str], bytes]:
+    """Starts both stubs and a proxy in front of them that makes one attempt
+    per request, posts ``body`` (JSON) to ``path``: (status, headers, body).
+    All stop after it."""
+    await prefill.start()
+    await decode.start()
+    try:
+        config = make_config([prefill.url], [decode.url], retry={"max_attempts": 1})
+        async with running_proxy(config) as px:
+            resp = await px.post(path, body)
+            return resp.status, resp.headers, await resp.read()
+    finally:
+        await prefill.stop()
+        await decode.stop()
 
 
 def make_config(

@@ -7,9 +7,7 @@ from __future__ import annotations
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proxy_helpers import StubEngine, make_config
-
-from proxy.testing import running_proxy
+from proxy_helpers import StubEngine, one_attempt
 
 # Keys vLLM's chunks use, so that generated objects reach the merging code.
 _KEYS = st.sampled_from(
@@ -81,21 +79,14 @@ _EVENTS = st.lists(
 async def test_a_decode_streaming_anything_gets_a_reply_or_a_decode_failure(
     events: list[bytes], stream: bool
 ) -> None:
-    p, d = StubEngine(), StubEngine(events=events)
-    await p.start()
-    await d.start()
-    try:
-        config = make_config([p.url], [d.url], retry={"max_attempts": 1})
-        async with running_proxy(config) as px:
-            resp = await px.post(
-                "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": stream}
-            )
-            body = await resp.read()
-    finally:
-        await p.stop()
-        await d.stop()
-    assert resp.status in (200, 502, 503), body
-    if resp.status != 200:
+    status, _, body = await one_attempt(
+        StubEngine(),
+        StubEngine(events=events),
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4, "stream": stream},
+    )
+    assert status in (200, 502, 503), body
+    if status != 200:
         assert "decode" in msgspec.json.decode(body)["error"]["message"]
     elif not stream:
         assert isinstance(msgspec.json.decode(body)["choices"], list)
@@ -111,19 +102,12 @@ async def test_a_decode_streaming_anything_gets_a_reply_or_a_decode_failure(
 async def test_a_prefill_answering_anything_gets_a_reply_or_a_prefill_failure(
     reply: bytes, stream: bool
 ) -> None:
-    p, d = StubEngine(prefill_reply=reply), StubEngine()
-    await p.start()
-    await d.start()
-    try:
-        config = make_config([p.url], [d.url], retry={"max_attempts": 1})
-        async with running_proxy(config) as px:
-            resp = await px.post(
-                "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": stream}
-            )
-            body = await resp.read()
-    finally:
-        await p.stop()
-        await d.stop()
-    assert resp.status in (200, 502, 503), body
-    if resp.status != 200:
+    status, _, body = await one_attempt(
+        StubEngine(prefill_reply=reply),
+        StubEngine(),
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4, "stream": stream},
+    )
+    assert status in (200, 502, 503), body
+    if status != 200:
         assert "prefill" in msgspec.json.decode(body)["error"]["message"]
