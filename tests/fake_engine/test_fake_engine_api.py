@@ -5,8 +5,10 @@ error JSON for malformed requests, after which the engine keeps serving."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 import torch
 from fake_engine_helpers import (
@@ -21,8 +23,11 @@ from fake_engine_helpers import (
     streamed_text,
     text_of,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fake_engine.testing import EngineSpec, fake_engines
+from tests.support.requests import request_bodies
 
 
 async def test_completion_has_vllms_shape(
@@ -438,3 +443,27 @@ async def test_in_process_engines_compute_on_one_torch_thread_until_they_stop() 
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    # One engine serves every example: it must keep serving.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(body=request_bodies(), chat=st.booleans())
+async def test_any_json_body_gets_a_reply_or_vllms_error_json(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], chat: bool
+) -> None:
+    path = CHAT if chat else COMPLETIONS
+    async with session.post(url + path, json=body) as response:
+        status, data = response.status, await response.read()
+    assert status in (200, 400, 404), data
+    if status != 200:
+        error = msgspec.json.decode(data)["error"]
+        assert error["code"] == status
+        assert isinstance(error["message"], str)
+    elif body.get("stream") is True:
+        assert data.endswith(b"data: [DONE]\n\n")
+    else:
+        assert msgspec.json.decode(data)["choices"]

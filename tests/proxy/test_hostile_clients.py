@@ -22,6 +22,7 @@ from proxy_helpers import (
 )
 
 from proxy.testing import running_proxy
+from tests.support.requests import request_bodies
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
 
@@ -309,53 +310,8 @@ async def test_a_stream_value_vllm_refuses_is_a_400_in_openai_error_json(stubs):
     assert p.requests == d.requests == []
 
 
-# Any JSON value, in the shapes of request fields' values.
-_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-2, 40)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.sampled_from(["", "hi", "user", "assistant", "auto", "m0"]),
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.dictionaries(
-            st.sampled_from(["role", "content", "type", "text", "include_usage"]),
-            inner,
-            max_size=3,
-        )
-    ),
-    max_leaves=10,
-)
-# Values vLLM accepts for its fields, and any value for any of them.
-_FIELDS = {
-    "prompt": st.sampled_from(["hi", ["hi"], [1, 2]]),
-    "messages": st.just([{"role": "user", "content": "hi"}]),
-    "max_tokens": st.integers(1, 4),
-    "stream": st.booleans(),
-    "stream_options": st.just({"include_usage": True}),
-    "n": st.integers(1, 2),
-    "echo": st.booleans(),
-    "logprobs": st.none(),
-    "min_tokens": st.integers(0, 1),
-    "return_token_ids": st.booleans(),
-}
-# Each route ignores the other's prompt field, as vLLM does.
-_PROMPTS = {"prompt": _FIELDS.pop("prompt"), "messages": _FIELDS.pop("messages")}
-_VALID = st.fixed_dictionaries(_PROMPTS, optional=_FIELDS)
-_BODIES = (
-    _VALID
-    | st.builds(
-        lambda body, key, value: {**body, key: value},
-        _VALID,
-        st.sampled_from([*_PROMPTS, *_FIELDS, "model", "kv_transfer_params"]),
-        _VALUES,
-    )
-    | st.fixed_dictionaries({}, optional=dict.fromkeys([*_PROMPTS, *_FIELDS], _VALUES))
-)
-
-
 @settings(max_examples=150, deadline=None)
-@given(body=_BODIES, chat=st.booleans())
+@given(body=request_bodies(), chat=st.booleans())
 async def test_any_json_body_gets_a_reply_or_an_error_in_openai_json(
     body: dict, chat: bool
 ) -> None:
