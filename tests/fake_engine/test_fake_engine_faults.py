@@ -7,6 +7,7 @@ slow transfers, expired leases and unverifiable loads behave as vLLM's."""
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import aiohttp
 import pytest
@@ -22,6 +23,8 @@ from fake_engine_helpers import (
     stream,
     text_of,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fake_engine.config import (
     FaultConfig,
@@ -343,3 +346,90 @@ async def test_load_from_a_stopped_prefill_follows_the_failure_policy(
         else:
             assert status == 200
             assert text_of(answer) == text_of(alone)
+
+
+# Any JSON value a field of the producer's params may be replaced with.
+_PARAM_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-1, 70_000)
+    | st.sampled_from(["", "127.0.0.1", "pull", "push", "AAAA", "====", "x"]),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=8,
+)
+_PARAM_KEYS = st.sampled_from(
+    [
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_num_tokens",
+        "tp_size",
+        "transfer_mode",
+        "kv_checksums",
+    ]
+)
+# The request's own blocks, listed last to first: the producer serves them.
+_REVERSED = "reversed"
+# Changes to the params: a field replaced or removed (...), checksums of
+# other bytes (base64 of any payload), or the blocks in another order.
+_CHANGES = st.lists(
+    st.tuples(_PARAM_KEYS, _PARAM_VALUES | st.just(...))
+    | st.tuples(
+        st.just("kv_checksums"),
+        st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()),
+    )
+    | st.just(("remote_block_ids", _REVERSED)),
+    min_size=1,
+    max_size=3,
+)
+
+
+@pytest.fixture
+async def fail_closed_pair():
+    """A prefill (TP 2) and a fail-closed decode (block size 32)."""
+    specs = (
+        EngineSpec(role=Role.PRODUCER, tp_size=2, lease_s=1.0),
+        EngineSpec(role=Role.CONSUMER, block_size=32, fail_closed=True),
+    )
+    async with fake_engines(*specs) as urls:
+        yield urls
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    # One pair serves every example: it must keep serving.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(changes=_CHANGES)
+async def test_a_fail_closed_decode_given_any_params_never_answers_wrong_text(
+    session: aiohttp.ClientSession, fail_closed_pair: list[str], changes: list
+) -> None:
+    # Either it loads and verifies the producer's KV, or it prefills itself
+    # (params vLLM's NIXL cannot use), or it fails in vLLM's error JSON.
+    prefill_url, decode_url = fail_closed_pair
+    status, clean = await pd(
+        session, prefill_url, decode_url, COMPLETIONS, completion_body()
+    )
+    assert status == 200, clean
+    params = await prefill(session, prefill_url, COMPLETIONS, completion_body())
+    for key, value in changes:
+        if value is ...:
+            params.pop(key, None)
+        elif value is _REVERSED:
+            ids = params.get(key)
+            if isinstance(ids, list):
+                params[key] = [g[::-1] if isinstance(g, list) else g for g in ids]
+        else:
+            params[key] = value
+    body = {**completion_body(), "kv_transfer_params": params}
+    status, answer = await post(session, decode_url + COMPLETIONS, body)
+    assert isinstance(answer, dict), answer
+    if status == 200:
+        assert text_of(answer) == text_of(clean)
+    else:
+        assert answer["error"]["code"] == status, answer
