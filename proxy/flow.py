@@ -659,6 +659,9 @@ class Flow:
                 if not pulled and attempt.prefill is not None and attempt.loads_kv:
                     self._abort(attempt.prefill, attempt.id, attempt.kv_params)
             if isinstance(result, Answer) and result.outcome == "ok":
+                # Only a whole answer vouches for the decode: a stream that
+                # breaks after its first token must count against it.
+                self.state.health.note(decode, ok=True)
                 req.served_by = (
                     (attempt.decode,)
                     if attempt.prefill is None
@@ -703,8 +706,8 @@ class Flow:
             attempt_log.info("%s", _encode_json(entry).decode())
 
     def _decoded(self, req: _Request, attempt: Attempt) -> None:
-        """The decode gave data: it is healthy, and any KV it loaded was clean."""
-        self.state.health.note(attempt.decode, ok=True)
+        """The decode gave data: any KV it loaded was clean (its health is
+        noted once its answer is whole)."""
         if attempt.prefill is not None and attempt.loads_kv:
             for ejection in self.state.tracker.record_success(
                 attempt.prefill, attempt.decode

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from proxy_helpers import expected_text, make_config
+from proxy_helpers import expected_text, make_config, read_sse
 
 from proxy.config import ProxyConfig, TimeoutsConfig
 from proxy.testing import running_proxy
@@ -126,6 +126,34 @@ async def test_a_decode_failing_what_another_serves_is_taken_out_of_service(stub
             await resp.read()
         healthy = {i.url: i.healthy for i in px.state.all_instances()}
     assert healthy == {p.url: True, bad.url: False, good.url: True}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+async def test_a_decode_that_breaks_every_stream_after_its_first_token_is_taken_out(
+    stubs, stream
+):
+    # Its first token is no proof of health: each of its streams breaks.
+    p, bad, good = await stubs(), await stubs("die"), await stubs()
+    config = one_prefill_two_decodes(p.url, bad.url, good.url)
+    body = {**COMPLETION, "stream": stream}
+    async with running_proxy(config) as px:
+        for _ in range(4):
+            resp = await px.post("/v1/completions", body)
+            await resp.read()
+        healthy = {i.url: i.healthy for i in px.state.all_instances()}
+        tried = len(bad.requests)
+        for _ in range(4):
+            resp = await px.post("/v1/completions", body)
+            assert resp.status == 200
+            if stream:
+                assert await read_sse(resp) == (expected_text("hi", 4), [])
+            else:
+                assert (await resp.json())["choices"][0]["text"] == expected_text(
+                    "hi", 4
+                )
+    assert tried == 2
+    assert healthy == {p.url: True, bad.url: False, good.url: True}
+    assert len(bad.requests) == tried
 
 
 @pytest.mark.parametrize(
