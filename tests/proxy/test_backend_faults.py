@@ -186,8 +186,10 @@ async def test_a_decode_streaming_no_reply_to_a_non_streaming_request_is_retried
             assert resp.status == 200
             assert (await resp.json())["choices"][0]["text"] == expected_text("hi", 4)
         metrics = await px.metrics()
+        healthy = {i.url: i.healthy for i in px.state.all_instances()}
     assert bad.bodies("/v1/completions")
     assert f'instance="{bad.url}",reason="decode_bad_reply"' in metrics
+    assert healthy == {p.url: True, bad.url: False, good.url: True}
 
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
