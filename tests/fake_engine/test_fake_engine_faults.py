@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 
 import aiohttp
 import pytest
@@ -372,17 +373,25 @@ _PARAM_KEYS = st.sampled_from(
         "kv_checksums",
     ]
 )
-# The request's own blocks, listed last to first: the producer serves them.
-_REVERSED = "reversed"
-# Changes to the params: a field replaced or removed (...), checksums of
-# other bytes (base64 of any payload), or the blocks in another order.
+
+
+class _Edit(enum.Enum):
+    """A change to a field of the params other than a new value."""
+
+    REMOVE = "remove"
+    # The request's own blocks, listed last to first: the producer serves them.
+    REVERSE = "reverse"
+
+
+# Changes to the params: a field replaced or removed, checksums of other
+# bytes (base64 of any payload), or the blocks in another order.
 _CHANGES = st.lists(
-    st.tuples(_PARAM_KEYS, _PARAM_VALUES | st.just(...))
+    st.tuples(_PARAM_KEYS, _PARAM_VALUES | st.just(_Edit.REMOVE))
     | st.tuples(
         st.just("kv_checksums"),
         st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()),
     )
-    | st.just(("remote_block_ids", _REVERSED)),
+    | st.just(("remote_block_ids", _Edit.REVERSE)),
     min_size=1,
     max_size=3,
 )
@@ -418,9 +427,9 @@ async def test_a_fail_closed_decode_given_any_params_never_answers_wrong_text(
     assert status == 200, clean
     params = await prefill(session, prefill_url, COMPLETIONS, completion_body())
     for key, value in changes:
-        if value is ...:
+        if value is _Edit.REMOVE:
             params.pop(key, None)
-        elif value is _REVERSED:
+        elif value is _Edit.REVERSE:
             ids = params.get(key)
             if isinstance(ids, list):
                 params[key] = [g[::-1] if isinstance(g, list) else g for g in ids]

@@ -24,10 +24,13 @@ _VALUES = st.recursive(
     ),
     max_leaves=10,
 )
-# Values vLLM accepts for its fields, and any value for any of them.
-_FIELDS = {
+# Values vLLM accepts for its fields, and any value for any of them. Both
+# routes' prompt fields are always there: each route ignores the other's.
+_PROMPTS = {
     "prompt": st.sampled_from(["hi", ["hi"], [1, 2]]),
     "messages": st.just([{"role": "user", "content": "hi"}]),
+}
+_FIELDS = {
     "max_tokens": st.integers(1, 4),
     "stream": st.booleans(),
     "stream_options": st.just({"include_usage": True}),
@@ -37,7 +40,6 @@ _FIELDS = {
     "min_tokens": st.integers(0, 1),
     "return_token_ids": st.booleans(),
 }
-_PROMPTS = {"prompt": _FIELDS.pop("prompt"), "messages": _FIELDS.pop("messages")}
 _VALID = st.fixed_dictionaries(_PROMPTS, optional=_FIELDS)
 _BODIES = (
     _VALID
