@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pd_sim import (
     GroupShape,
     ModelShape,
@@ -102,3 +104,59 @@ HYBRID_ALIGNED = ModelShape(
         StateGroupShape(layers=(4, 5), num_speculative_blocks=2, cache_mode="align"),
     )
 )
+
+
+# A full-attention group and a sliding-window group (WINDOW: not a whole
+# number of blocks).
+SLIDING = ModelShape(
+    groups=(
+        GroupShape(layers=(0, 1)),
+        GroupShape(layers=(2, 3), sliding_window=WINDOW),
+    )
+)
+
+
+# Producer and consumer (TP, PP) pairings of MODEL.
+PAIRINGS = {
+    "(1,1)->(1,1)": ((1, 1), (1, 1)),
+    "(2,1)->(1,1)": ((2, 1), (1, 1)),
+    "(1,1)->(2,1)": ((1, 1), (2, 1)),
+    "(1,1)->(4,1) replicas": ((1, 1), (4, 1)),
+    "(1,2)->(1,1)": ((1, 2), (1, 1)),
+    "(1,1)->(2,2)": ((1, 1), (2, 2)),
+}
+
+
+class CleanPairing(NamedTuple):
+    """A producer and a consumer of one model whose clean loads verify."""
+
+    model: ModelShape
+    producer: tuple[int, int]  # (TP, PP)
+    consumer: tuple[int, int]
+    producer_bs: int
+    consumer_bs: int
+    # The consumer's, if it differs (in state block layout only).
+    consumer_model: ModelShape | None = None
+
+
+CLEAN_PAIRINGS = [
+    *(CleanPairing(MODEL, p, c, 16, 16) for p, c in PAIRINGS.values()),
+    CleanPairing(MODEL, (1, 1), (1, 1), 16, 32),
+    CleanPairing(MODEL, (2, 1), (1, 2), 32, 16),
+    CleanPairing(SLIDING, (1, 1), (2, 1), 16, 32),
+    CleanPairing(SLIDING, (2, 1), (1, 1), 32, 16),
+    CleanPairing(SLIDING, (1, 2), (1, 1), 32, 16),
+    # Hybrids: Mamba states between TP sizes 1, 2 and 4 (x, B, C and heads
+    # split), attention at block sizes 16 and 32.
+    CleanPairing(HYBRID, (1, 1), (2, 1), 16, 32),
+    CleanPairing(HYBRID, (4, 1), (1, 1), 32, 16),
+    CleanPairing(HYBRID, (2, 1), (4, 1), 16, 16),
+    CleanPairing(HYBRID, (1, 1), (1, 1), 32, 32),
+    CleanPairing(HYBRID, (2, 1), (1, 1), 16, 16, HYBRID_ALIGNED),
+    CleanPairing(HYBRID_SLIDING, (2, 1), (1, 1), 16, 32),
+    CleanPairing(HYBRID_SLIDING, (1, 1), (4, 1), 32, 16),
+    CleanPairing(HYBRID_REPLICATED, (1, 1), (2, 1), 16, 32),
+    CleanPairing(HYBRID_UNKNOWN_SPLIT, (2, 1), (2, 1), 32, 16),
+    # NIXL moves no Mamba state under PP; KVGuard's checksums add up anyway.
+    CleanPairing(HYBRID, (1, 2), (2, 1), 16, 32),
+]

@@ -897,13 +897,17 @@ class Transfer:
 
 
 def load_together(
-    transfers: Sequence[Transfer], corrupt: Mapping[str, Corruption] | None = None
+    transfers: Sequence[Transfer],
+    corrupt: Mapping[str, Corruption] | None = None,
+    num_local_tokens: Mapping[str, int] | None = None,
 ) -> tuple[set[str], dict[str, dict[int, list[int]]]]:
     """The consumer loads several prefilled transfers (one consumer) in one
-    step, ``corrupt[req_id]`` applied to a request's: the failed and the
-    mismatched loads."""
+    step, ``corrupt[req_id]`` applied to a request's and past its
+    ``num_local_tokens[req_id]`` cached ones: the failed and the mismatched
+    loads."""
     (consumer,) = {id(t.consumer): t.consumer for t in transfers}.values()
-    reqs = [t.start_load() for t in transfers]
+    local = num_local_tokens or {}
+    reqs = [t.start_load(num_local_tokens=local.get(t.req_id, 0)) for t in transfers]
 
     def copy() -> None:
         for t in transfers:

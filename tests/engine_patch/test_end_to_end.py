@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import numpy as np
 import pytest
 import torch
 from kv_host_fakes import FakeBlocks
 from pd_models import (
-    HYBRID,
-    HYBRID_ALIGNED,
-    HYBRID_REPLICATED,
-    HYBRID_SLIDING,
-    HYBRID_UNKNOWN_SPLIT,
+    CLEAN_PAIRINGS,
     MODEL,
+    PAIRINGS,
+    SLIDING,
     WINDOW,
     engines,
 )
@@ -41,15 +39,6 @@ from engine_patch.verify import UnverifiedReason
 from engine_patch.worker import KVLayout
 
 R = UnverifiedReason
-
-PAIRINGS = {
-    "(1,1)->(1,1)": ((1, 1), (1, 1)),
-    "(2,1)->(1,1)": ((2, 1), (1, 1)),
-    "(1,1)->(2,1)": ((1, 1), (2, 1)),
-    "(1,1)->(4,1) replicas": ((1, 1), (4, 1)),
-    "(1,2)->(1,1)": ((1, 2), (1, 1)),
-    "(1,1)->(2,2)": ((1, 1), (2, 2)),
-}
 
 
 # --- Correct loads ------------------------------------------------------------
@@ -471,14 +460,6 @@ def test_corruption_is_detected_across_block_sizes_and_replicas(case: str) -> No
 
 # --- Sliding windows between block sizes ------------------------------------------
 
-# A full-attention group and a sliding-window group (WINDOW: not a whole
-# number of blocks).
-SLIDING = ModelShape(
-    groups=(
-        GroupShape(layers=(0, 1)),
-        GroupShape(layers=(2, 3), sliding_window=WINDOW),
-    )
-)
 SLIDING_BLOCK_SIZES = [(32, 16), (16, 32)]
 
 
@@ -588,37 +569,6 @@ def test_corruption_of_a_sliding_window_group_is_detected_between_block_sizes(
 # --- Many clean loads -------------------------------------------------------------
 
 
-class CleanPairing(NamedTuple):
-    model: ModelShape
-    producer: tuple[int, int]  # (TP, PP)
-    consumer: tuple[int, int]
-    producer_bs: int
-    consumer_bs: int
-    # The consumer's, if it differs (in state block layout only).
-    consumer_model: ModelShape | None = None
-
-
-CLEAN_PAIRINGS = [
-    *(CleanPairing(MODEL, p, c, 16, 16) for p, c in PAIRINGS.values()),
-    CleanPairing(MODEL, (1, 1), (1, 1), 16, 32),
-    CleanPairing(MODEL, (2, 1), (1, 2), 32, 16),
-    CleanPairing(SLIDING, (1, 1), (2, 1), 16, 32),
-    CleanPairing(SLIDING, (2, 1), (1, 1), 32, 16),
-    CleanPairing(SLIDING, (1, 2), (1, 1), 32, 16),
-    # Hybrids: Mamba states between TP sizes 1, 2 and 4 (x, B, C and heads
-    # split), attention at block sizes 16 and 32.
-    CleanPairing(HYBRID, (1, 1), (2, 1), 16, 32),
-    CleanPairing(HYBRID, (4, 1), (1, 1), 32, 16),
-    CleanPairing(HYBRID, (2, 1), (4, 1), 16, 16),
-    CleanPairing(HYBRID, (1, 1), (1, 1), 32, 32),
-    CleanPairing(HYBRID, (2, 1), (1, 1), 16, 16, HYBRID_ALIGNED),
-    CleanPairing(HYBRID_SLIDING, (2, 1), (1, 1), 16, 32),
-    CleanPairing(HYBRID_SLIDING, (1, 1), (4, 1), 32, 16),
-    CleanPairing(HYBRID_REPLICATED, (1, 1), (2, 1), 16, 32),
-    CleanPairing(HYBRID_UNKNOWN_SPLIT, (2, 1), (2, 1), 32, 16),
-    # NIXL moves no Mamba state under PP; KVGuard's checksums add up anyway.
-    CleanPairing(HYBRID, (1, 2), (2, 1), 16, 32),
-]
 NUM_CLEAN_LOADS = 1200
 
 
