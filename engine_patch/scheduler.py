@@ -452,9 +452,31 @@ class KVChecksumScheduler:
 
     def take_kv_checksums_to_send(self) -> dict[str, bytes]:
         """The checksums of producer requests finished since the last call,
-        for connectors that send them in their own messages."""
+        for connectors that send them in their own messages.
+
+        Hosts whose checksums travel only in ``kv_transfer_params`` call it
+        too, and drop them: the scheduler keeps them until taken.
+        """
         to_send, self._to_send = self._to_send, {}
         return to_send
+
+    def held_request_ids(self) -> set[str]:
+        """The requests the scheduler holds anything of: unfinished ones, and
+        finished ones whose outcomes the host has not taken (``take_*``).
+
+        Empty once every request has finished and the host has taken the
+        outcomes: a long-running engine holds nothing of past requests.
+        """
+        return {
+            *self._sends,
+            *self._recvs,
+            *self._remote_prefills,
+            *self._refused_loads,
+            *self._to_send,
+            *self._failures,
+            *self._mismatched,
+            *self._uncompared,
+        }
 
     def _blocks(
         self,

@@ -1135,6 +1135,12 @@ class KVChecksumWorker:
             pending.stored.pop(req_id, None)
             pending.received.pop(req_id, None)
 
+    def held_request_ids(self) -> set[str]:
+        """The requests the worker holds anything of: scheduled and not
+        reported yet, or not finished (:meth:`request_finished`)."""
+        pending = self._pending
+        return {*pending.sends, *pending.loads, *pending.stored, *pending.received}
+
     def take_record(self) -> KVChecksumRecord | None:
         """This step's report, or None if it has nothing to report; waits for
         values still being copied from the device."""

@@ -7,6 +7,7 @@ locally cached prefixes) and changes to what each transfer carries: flipped
 bits, swapped tokens, zeroed spans. A load whose consumer then reads any
 other byte than the producer's must fail (fail-closed) or be counted a
 mismatch (fail-open); a load fails only if its own transfer was changed.
+Afterwards neither engine holds anything of the finished requests.
 """
 
 from __future__ import annotations
@@ -237,3 +238,12 @@ def test_a_load_is_used_only_if_the_consumer_reads_the_producers_kv(
     else:
         assert failed == set()
         assert len(misread) <= stats.mismatch <= len(altered)
+
+    # Every request has finished: once the host has taken the outcomes,
+    # nothing of them is held.
+    for engine in (producer, consumer):
+        engine.scheduler.take_kv_checksums_to_send()
+        engine.scheduler.take_load_failures()
+        engine.scheduler.take_uncompared_blocks()
+        assert engine.scheduler.held_request_ids() == set()
+        assert all(not w.held_request_ids() for w in engine.workers.values())
