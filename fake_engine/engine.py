@@ -135,7 +135,15 @@ class _Step:
 
     @property
     def empty(self) -> bool:
-        return not (self.scheduled or self.loads_to_start or self.finished_loads)
+        """Nothing to run. A step that only tells the workers of finished
+        requests runs (vLLM's ``has_finished_requests``): they drop their
+        state of them."""
+        return not (
+            self.scheduled
+            or self.loads_to_start
+            or self.finished_loads
+            or self.finished_req_ids
+        )
 
     def num_prefill_tokens(self) -> int:
         return sum(
@@ -302,6 +310,20 @@ class Engine:
         self.faults.configure(fault)
 
     # Metrics.
+
+    def held_request_ids(self) -> set[str]:
+        """The requests the engine holds anything of: unfinished ones, KV held
+        for a remote decode, and checksum state. The workers hear of a
+        finished request at the next step; until then theirs does not count.
+        Read it while no step runs (an engine at rest)."""
+        held = {*self._requests, *self._loading, *self._pulls, *self._leases}
+        held.update(req_id for ids in self._aliases.values() for req_id in ids)
+        if self.checksums is not None:
+            held |= self.checksums.held_request_ids()
+        for worker in self.workers:
+            if worker.checksums is not None:
+                held |= worker.checksums.held_request_ids() - self._finished_req_ids
+        return held
 
     def blocks_held(self) -> int:
         return sum(self.kv.num_blocks(req_id) for req_id in self._leases)
@@ -618,6 +640,8 @@ class Engine:
             params = self._producer_params(request)
         if self.checksums is not None:
             self.checksums.request_finished(request, params)
+            # Sent in kv_transfer_params only, as NIXL sends them.
+            self.checksums.take_kv_checksums_to_send()
         if params is not None:
             self._leases.hold(request)
         else:

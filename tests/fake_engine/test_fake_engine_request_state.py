@@ -1,0 +1,97 @@
+"""A long-running engine holds nothing of its past requests: once they have
+finished, however they ended, neither the engine, its checksum scheduler
+nor its workers keep any state of them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from fake_engine_helpers import (
+    COMPLETIONS,
+    completion_body,
+    pd,
+    post,
+    prefill,
+    stream,
+)
+
+from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
+from fake_engine.engine import Engine
+from fake_engine.testing import EngineSpec, fake_engines
+
+ABORT = "/inference/v1/abort_requests"
+
+
+async def _at_rest(*engines: Engine) -> list[set[str]]:
+    """Each engine's held requests once none holds any, or after 10 s (the
+    engines finish what clients left in their next steps)."""
+    for _ in range(200):
+        held = [engine.held_request_ids() for engine in engines]
+        if not any(held):
+            break
+        await asyncio.sleep(0.05)
+    return held
+
+
+async def _leave_mid_stream(
+    session: aiohttp.ClientSession, url: str, body: dict
+) -> None:
+    """Stream a decode, read its first event and go."""
+    async with session.post(url + COMPLETIONS, json={**body, "stream": True}) as r:
+        assert r.status == 200
+        await r.content.readline()
+
+
+async def test_an_engine_holds_nothing_of_requests_that_ended_in_any_way(
+    session: aiohttp.ClientSession,
+) -> None:
+    specs = (
+        EngineSpec(role=Role.PRODUCER, tp_size=2, lease_s=1.0),
+        EngineSpec(role=Role.CONSUMER, block_size=32),
+    )
+    async with fake_engines(*specs) as urls:
+        producer, consumer = urls.engine(0), urls.engine(1)
+        body = completion_body()
+
+        # Answered, whole and streamed.
+        assert (await pd(session, urls[0], urls[1], COMPLETIONS, body))[0] == 200
+        params = await prefill(session, urls[0], COMPLETIONS, body)
+        streamed = {**body, "stream": True, "kv_transfer_params": params}
+        _, events = await stream(session, urls[1] + COMPLETIONS, streamed)
+        assert events[-1] == "[DONE]"
+
+        # A corrupted load, failed (fail-closed).
+        consumer.configure_faults(
+            FaultConfig(FaultKind.BITFLIP, FaultSide.CONSUMER, count=1)
+        )
+        assert (await pd(session, urls[0], urls[1], COMPLETIONS, body))[0] == 500
+
+        # A hung load whose client gave up.
+        consumer.configure_faults(FaultConfig(FaultKind.HANG, FaultSide.CONSUMER))
+        params = await prefill(session, urls[0], COMPLETIONS, body)
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(
+                urls[1] + COMPLETIONS,
+                json={**body, "kv_transfer_params": params},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+        consumer.configure_faults(FaultConfig())
+
+        # A decode streamed and left after its first event.
+        params = await prefill(session, urls[0], COMPLETIONS, body)
+        await _leave_mid_stream(
+            session, urls[1], {**body, "kv_transfer_params": params}
+        )
+
+        # Prefills never pulled: one aborted, one left to its lease.
+        await prefill(session, urls[0], COMPLETIONS, body, request_id="dropped")
+        assert (await post(session, urls[0] + ABORT, {"request_ids": ["dropped"]}))[
+            0
+        ] == 200
+        await prefill(session, urls[0], COMPLETIONS, body)
+
+        assert await _at_rest(producer, consumer) == [set(), set()]
+        for engine in (producer, consumer):
+            assert engine.kv.pool.num_free == engine.kv.pool.num_usable
