@@ -116,3 +116,7 @@ class PrefillBlockIds:
     def discard(self, req_id: str) -> None:
         """Forget a request (finished or aborted)."""
         self._ids.pop(req_id, None)
+
+    def held_request_ids(self) -> set[str]:
+        """The requests whose ids are kept: prompts being prefilled."""
+        return set(self._ids)

@@ -359,6 +359,30 @@ class KVGuardSchedulerSide:
         self._sync_allowed.discard(request.request_id)
         self._finished.append(_Finished(request, kv_transfer_params, producer))
 
+    def held_request_ids(self) -> set[str]:
+        """The requests the scheduler side holds anything of, its checksum
+        scheduler's included: unfinished ones, finished ones whose step
+        output is not in yet, loads the workers wait on verdicts for.
+
+        Empty once every request has finished and a step has passed: a
+        long-running engine holds nothing of past requests. Outcome counts
+        wait for the next stats (``take_stats``) and are not counted here.
+        """
+        if self._checksums is None:
+            return set()
+        return {
+            *self._producers,
+            *self._prefill_ids.held_request_ids(),
+            *self._num_local_tokens,
+            *self._loading,
+            *self._sync_allowed,
+            *self._sync_started,
+            *(item.request.request_id for item in self._finished),
+            *self._loads.reported,
+            *self._loads.verdicts,
+            *self._checksums.held_request_ids(),
+        }
+
     def verify_finished_loads(
         self, output: KVConnectorOutput, sync_loads: Collection[str] = ()
     ) -> None:

@@ -206,7 +206,13 @@ class KVGuardWorker:
                 else "go to vLLM in the step they finish",
             )
         if verdicts:
-            self._verdicts.update(verdicts)
+            # Every rank hears every verdict; one that holds no such load
+            # (the inner connector failed it here) drops it.
+            self._verdicts.update(
+                (req_id, failed)
+                for req_id, failed in verdicts.items()
+                if req_id in self._held
+            )
         if self._checksums is None:
             return
         self._busy = False
@@ -278,6 +284,21 @@ class KVGuardWorker:
             results.finished_recving.add(req_id)
             if self._verdicts.pop(req_id):
                 results.failed_recving.add(req_id)
+
+    def held_request_ids(self) -> set[str]:
+        """The requests the worker holds anything of: loads not finished
+        yet, loads held for their verdicts, reports not taken yet, and its
+        checksum worker's state (until vLLM's ``finished_req_ids``)."""
+        held = {
+            *self._loads,
+            *self._held,
+            *self._verdicts,
+            *self._finished_loads,
+            *self._sync_loads,
+        }
+        if self._checksums is not None:
+            held |= self._checksums.held_request_ids()
+        return held
 
     def before_checksum(self, loads: Mapping[str, KVChecksumBlocks]) -> None:
         """Hook for fault injection: the loads about to be checksummed."""

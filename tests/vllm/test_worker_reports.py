@@ -7,127 +7,23 @@ stubs."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import vllm.v1.worker.kv_connector_model_runner_mixin as mixin
-from engine_steps import (
-    block_checksums,
-    consumer_params,
-    make_scheduler,
-    request,
-    runner_output,
-    shipped,
-    vllm_config,
-)
+from engine_steps import block_checksums, consumer_params, request
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorTransferResults,
 )
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
+from worker_steps import RECORD, N, StubKernel, consumer, run_step, stub_worker
 
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
-from engine_patch.vllm.worker_side import KVGuardWorker
 
 pytestmark = pytest.mark.vllm
-
-N = 100
-RECORD = object()  # stands for a step's KVChecksumRecord
-
-
-class StubKernel:
-    """KVChecksumWorker's contract, without KV: sends begun in ``begin_step``
-    are checksummed by ``after_forward`` and reported by the next
-    ``take_record``; loads give no record (so they are unverified)."""
-
-    def __init__(self) -> None:
-        self.sends: dict[str, Any] = {}
-        self.ready: object | None = None
-        self.loads_checksummed: list[str] = []
-
-    def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
-        self.sends = dict(scheduled.reqs_to_send) if scheduled else {}
-
-    def after_forward(self) -> None:
-        if self.sends:
-            self.ready, self.sends = RECORD, {}
-
-    def on_loads_finished(self, done: list[str]) -> None:
-        self.loads_checksummed += done
-
-    def request_finished(self, req_ids: set[str]) -> None:
-        pass
-
-    def take_record(self) -> object | None:
-        record, self.ready = self.ready, None
-        return record
-
-
-def stub_worker() -> KVGuardWorker:
-    """KVGuard's real worker logic over the stub kernel (no KV tensors)."""
-    worker = object.__new__(KVGuardWorker)
-    worker._hold = None
-    worker._checksums = StubKernel()  # type: ignore[assignment]
-    worker._layers, worker._block_bytes = [], {}
-    worker._loads, worker._held, worker._verdicts = {}, {}, {}
-    worker._finished_loads = []
-    worker._sync_loads = []
-    worker._busy, worker._bytes, worker._seconds = False, 0, 0.0
-    worker._hold_seconds, worker._num_held = 0.0, 0
-    return worker
-
-
-def run_step(
-    sched: Scheduler,
-    workers: list[KVGuardWorker],
-    aggregator: KVOutputAggregator,
-    results: dict[int, KVConnectorTransferResults],
-    *,
-    scheduled: bool = True,
-) -> set[str]:
-    """One engine step over ``workers`` (one per TP rank), each given its
-    inner connector's ``results``; ``scheduled=False`` loses the step's
-    checksum metadata on the workers. The requests the step scheduled."""
-    out = sched.schedule()
-    meta = shipped(out.kv_connector_metadata)
-    per_rank = []
-    for rank, worker in enumerate(workers):
-        if isinstance(meta, KVGuardConnectorMetadata):
-            worker.begin_step(
-                meta.checksums if scheduled else None,
-                meta.verdicts,
-                hold_loads=meta.hold_loads,
-                sync_loads=meta.sync_loads,
-            )
-        else:  # nothing of KVGuard's this step
-            worker.begin_step(None, {})
-        got = results.get(rank, KVConnectorTransferResults())
-        worker.on_transfer_results(got, set(out.finished_req_ids))
-        report = worker.take_report()
-        output = KVConnectorOutput(
-            finished_recving=got.finished_recving,
-            failed_recving=got.failed_recving,
-            kv_connector_worker_meta=None
-            if report is None
-            else KVGuardWorkerMetadata(None, [report]),
-        )
-        per_rank.append(shipped(runner_output(out, output)))
-    merged = aggregator.aggregate(per_rank)
-    assert merged is not None
-    sched.update_from_output(out, merged)
-    return set(out.num_scheduled_tokens)
-
-
-def consumer(tp: int, fail_closed: bool = True) -> Scheduler:
-    config = vllm_config("kv_consumer", fail_closed=fail_closed)
-    config.parallel_config.tensor_parallel_size = tp
-    config.parallel_config.world_size = tp
-    return make_scheduler(Scheduler, config)
 
 
 @pytest.mark.parametrize("fail_closed", [True, False])
@@ -148,10 +44,10 @@ def test_a_load_one_rank_failed_still_gets_a_verdict(fail_closed: bool) -> None:
     # Failed (kv_load_failure_policy "fail"), not waiting for ever; nothing
     # of it left behind on either side.
     assert "r1" not in sched.requests
-    assert not workers[1]._held
+    assert [w.held_request_ids() for w in workers] == [set(), set()]
     connector = sched.connector
     assert isinstance(connector, KVGuardConnector) and connector._scheduler
-    assert not connector._scheduler._loads.reported
+    assert connector._scheduler.held_request_ids() == set()
 
 
 def test_a_finished_load_a_worker_was_not_told_of_waits_for_its_verdict() -> None:

@@ -1,0 +1,94 @@
+"""A long-running vLLM engine keeps nothing of KVGuard's for its past
+requests: once they have ended, however, neither the scheduler side nor any
+rank's worker holds state of them. Through vLLM's real scheduler (both of
+KVGuard's modes) and output aggregator over KVGuard's worker logic."""
+
+from __future__ import annotations
+
+import pytest
+from engine_steps import block_checksums, consumer_params, request
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+from worker_steps import N, engine, run_step, stub_worker
+
+from engine_patch.vllm.connector import KVGuardConnector
+from engine_patch.vllm.scheduler import KVGuardScheduler
+from engine_patch.vllm.worker_side import KVGuardWorker
+
+pytestmark = pytest.mark.vllm
+
+MODES = {"same-step": KVGuardScheduler, "connector-only": Scheduler}
+
+
+def held(sched: Scheduler, workers: list[KVGuardWorker]) -> list[set[str]]:
+    """What the scheduler side, then each worker, holds state of."""
+    connector = sched.connector
+    assert isinstance(connector, KVGuardConnector) and connector._scheduler
+    return [
+        connector._scheduler.held_request_ids(),
+        *(worker.held_request_ids() for worker in workers),
+    ]
+
+
+@pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_consumer_holds_nothing_of_loads_that_ended_in_any_way(
+    mode: str, fail_closed: bool
+) -> None:
+    sched = engine("kv_consumer", 2, fail_closed, MODES[mode])
+    workers = [stub_worker(), stub_worker()]
+    aggregator = KVOutputAggregator(2)
+    params = consumer_params(N, block_checksums(N))
+    loads = ["loaded", "failed on one rank", "failed on both", "aborted mid-load"]
+    for req_id in [*loads, "aborted before its load"]:
+        sched.add_request(request(req_id, N, dict(params), max_tokens=1))
+    sched.finish_requests("aborted before its load", RequestStatus.FINISHED_ABORTED)
+    run_step(sched, workers, aggregator, {})  # the loads start
+    sched.finish_requests("aborted mid-load", RequestStatus.FINISHED_ABORTED)
+    run_step(
+        sched,
+        workers,
+        aggregator,
+        {
+            0: KVConnectorTransferResults(
+                finished_recving=set(loads),
+                failed_recving={"failed on one rank", "failed on both"},
+            ),
+            1: KVConnectorTransferResults(
+                finished_recving=set(loads), failed_recving={"failed on both"}
+            ),
+        },
+    )
+    for _ in range(4):
+        run_step(sched, workers, aggregator, {})
+
+    assert not sched.requests
+    assert held(sched, workers) == [set(), set(), set()]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_producer_holds_nothing_of_prefills_that_ended_in_any_way(
+    mode: str,
+) -> None:
+    sched = engine("kv_producer", 1, cls=MODES[mode])
+    workers = [stub_worker()]
+    aggregator = KVOutputAggregator(1)
+    for req_id in ("sent", "aborted before its prefill"):
+        sched.add_request(request(req_id, N, {"do_remote_decode": True}, max_tokens=1))
+    sched.finish_requests("aborted before its prefill", RequestStatus.FINISHED_ABORTED)
+    run_step(sched, workers, aggregator, {})  # the prefill
+    run_step(
+        sched,
+        workers,
+        aggregator,
+        {0: KVConnectorTransferResults(finished_sending={"sent"})},
+    )
+    for _ in range(2):
+        run_step(sched, workers, aggregator, {})
+
+    assert not sched.requests
+    assert held(sched, workers) == [set(), set()]

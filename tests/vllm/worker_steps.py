@@ -1,0 +1,126 @@
+"""vLLM 0.32's real scheduler and output aggregator over KVGuard's real
+worker logic, one per TP rank, in process: only the inner connector (its
+transfer results are given per step) and the checksum kernel are stubs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_steps import make_scheduler, runner_output, shipped, vllm_config
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput
+
+from engine_patch.types import KVChecksumScheduled
+from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
+from engine_patch.vllm.worker_side import KVGuardWorker
+
+N = 100
+RECORD = object()  # stands for a step's KVChecksumRecord
+
+
+class StubKernel:
+    """KVChecksumWorker's contract, without KV: sends begun in ``begin_step``
+    are checksummed by ``after_forward`` and reported by the next
+    ``take_record``; loads give no record (so they are unverified)."""
+
+    def __init__(self) -> None:
+        self.sends: dict[str, Any] = {}
+        self.ready: object | None = None
+        self.loads_checksummed: list[str] = []
+
+    def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
+        self.sends = dict(scheduled.reqs_to_send) if scheduled else {}
+
+    def after_forward(self) -> None:
+        if self.sends:
+            self.ready, self.sends = RECORD, {}
+
+    def on_loads_finished(self, done: list[str]) -> None:
+        self.loads_checksummed += done
+
+    def request_finished(self, req_ids: set[str]) -> None:
+        pass
+
+    def held_request_ids(self) -> set[str]:
+        return set(self.sends)
+
+    def take_record(self) -> object | None:
+        record, self.ready = self.ready, None
+        return record
+
+
+def stub_worker() -> KVGuardWorker:
+    """KVGuard's real worker logic over the stub kernel (no KV tensors)."""
+    worker = object.__new__(KVGuardWorker)
+    worker._hold = None
+    worker._checksums = StubKernel()  # type: ignore[assignment]
+    worker._layers, worker._block_bytes = [], {}
+    worker._loads, worker._held, worker._verdicts = {}, {}, {}
+    worker._finished_loads = []
+    worker._sync_loads = []
+    worker._busy, worker._bytes, worker._seconds = False, 0, 0.0
+    worker._hold_seconds, worker._num_held = 0.0, 0
+    return worker
+
+
+def run_step(
+    sched: Scheduler,
+    workers: list[KVGuardWorker],
+    aggregator: KVOutputAggregator,
+    results: dict[int, KVConnectorTransferResults],
+    *,
+    scheduled: bool = True,
+) -> set[str]:
+    """One engine step over ``workers`` (one per TP rank), each given its
+    inner connector's ``results``; ``scheduled=False`` loses the step's
+    checksum metadata on the workers. The requests the step scheduled."""
+    out = sched.schedule()
+    meta = shipped(out.kv_connector_metadata)
+    per_rank = []
+    for rank, worker in enumerate(workers):
+        if isinstance(meta, KVGuardConnectorMetadata):
+            worker.begin_step(
+                meta.checksums if scheduled else None,
+                meta.verdicts,
+                hold_loads=meta.hold_loads,
+                sync_loads=meta.sync_loads,
+            )
+        else:  # nothing of KVGuard's this step
+            worker.begin_step(None, {})
+        got = results.get(rank, KVConnectorTransferResults())
+        worker.on_transfer_results(got, set(out.finished_req_ids))
+        report = worker.take_report()
+        output = KVConnectorOutput(
+            finished_recving=got.finished_recving,
+            failed_recving=got.failed_recving,
+            finished_sending=got.finished_sending,
+            kv_connector_worker_meta=None
+            if report is None
+            else KVGuardWorkerMetadata(None, [report]),
+        )
+        per_rank.append(shipped(runner_output(out, output)))
+    merged = aggregator.aggregate(per_rank)
+    assert merged is not None
+    sched.update_from_output(out, merged)
+    return set(out.num_scheduled_tokens)
+
+
+def engine(
+    role: str,
+    tp: int,
+    fail_closed: bool = True,
+    cls: type[Scheduler] = Scheduler,
+) -> Scheduler:
+    """vLLM's scheduler of class ``cls`` for an engine of ``tp`` ranks."""
+    config = vllm_config(role, fail_closed=fail_closed)
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.world_size = tp
+    return make_scheduler(cls, config)
+
+
+def consumer(tp: int, fail_closed: bool = True) -> Scheduler:
+    return engine("kv_consumer", tp, fail_closed)
