@@ -749,6 +749,10 @@ class Engine:
             )
         except (TransferError, OSError) as e:
             result.error = f"KV transfer failed: {e}"
+        except Exception as e:
+            # Never a load left waiting for ever: it fails, as NIXL's would.
+            logger.exception("KV pull for request %s failed.", req_id)
+            result.error = f"KV transfer failed: {e.__class__.__name__}: {e}"
         self._pulls.pop(req_id, None)
         if self._loading.get(req_id) is request:
             self._finished_loads[req_id] = result

@@ -185,7 +185,8 @@ class KVPuller:
                 url, data=body, headers={"Content-Type": PULL_CONTENT_TYPE}
             ) as response:
                 if response.status != 200:
-                    text = (await response.text())[:500]
+                    # Whatever its charset says: the bytes are only quoted.
+                    text = (await response.read())[:500].decode("utf-8", "replace")
                     raise TransferError(
                         f"the producer answered the pull with {response.status}: {text}"
                     )
