@@ -74,24 +74,28 @@ def _connector_metadata(
 
 @dataclass
 class WorkerReport:
-    """One worker's step: its checksums and the loads it checksummed."""
+    """One worker's step: its checksums, the loads it checksummed, and the
+    loads its inner connector failed (checksummed by no one)."""
 
     record: KVChecksumRecord | None
     finished_loads: list[str]
+    failed_loads: list[str] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         data = encode_record(self.record)
         if data is None:
             # No record, or one msgpack cannot carry: pickled as it is, for
             # the scheduler's checks to judge.
-            return WorkerReport, (self.record, self.finished_loads)
-        return _worker_report, (data, self.finished_loads)
+            return WorkerReport, (self.record, self.finished_loads, self.failed_loads)
+        return _worker_report, (data, self.finished_loads, self.failed_loads)
 
 
-def _worker_report(record: bytes, finished_loads: list[str]) -> WorkerReport:
+def _worker_report(
+    record: bytes, finished_loads: list[str], failed_loads: list[str]
+) -> WorkerReport:
     """Unpickles a :class:`WorkerReport` whose record was encoded; one that
     does not decode is left as bytes, a malformed record."""
-    return WorkerReport(decode_record(record), finished_loads)  # type: ignore[arg-type]
+    return WorkerReport(decode_record(record), finished_loads, failed_loads)  # type: ignore[arg-type]
 
 
 @dataclass

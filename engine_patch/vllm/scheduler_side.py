@@ -105,6 +105,8 @@ class _Loads:
     reported: Counter[str] = field(default_factory=Counter)
     # Verdicts for the workers' next metadata: whether the load failed.
     verdicts: dict[str, bool] = field(default_factory=dict)
+    # Loads a worker's inner connector failed, until every worker reported.
+    failed_by_a_worker: set[str] = field(default_factory=set)
 
 
 def _timed(
@@ -380,6 +382,7 @@ class KVGuardSchedulerSide:
             *(item.request.request_id for item in self._finished),
             *self._loads.reported,
             *self._loads.verdicts,
+            *self._loads.failed_by_a_worker,
             *self._checksums.held_request_ids(),
         }
 
@@ -433,7 +436,8 @@ class KVGuardSchedulerSide:
                 records.append(report.record)
             if self._same_step:
                 continue
-            for req_id in report.finished_loads:
+            self._loads.failed_by_a_worker.update(report.failed_loads)
+            for req_id in (*report.finished_loads, *report.failed_loads):
                 self._loads.reported[req_id] += 1
                 if self._loads.reported[req_id] >= self._num_workers:
                     del self._loads.reported[req_id]
@@ -444,6 +448,12 @@ class KVGuardSchedulerSide:
         if self._same_step:
             complete = set(output.finished_recving or ()) - failed_by_inner
             complete |= sync
+        elif self._loads.failed_by_a_worker:
+            # vLLM fails these once the workers holding them let them go: a
+            # failed transfer, not KVGuard's failure.
+            by_a_worker = complete & self._loads.failed_by_a_worker
+            self._loads.failed_by_a_worker -= by_a_worker
+            failed_by_inner |= by_a_worker
         self._checksums.update_from_output(
             _StepOutput(records, complete | failed_by_inner), failed_by_inner
         )
@@ -462,7 +472,9 @@ class KVGuardSchedulerSide:
         elif self._checksums.fail_closed:
             # The workers hold these loads until they hear.
             for req_id in complete:
-                self._loads.verdicts[req_id] = req_id in failed
+                self._loads.verdicts[req_id] = (
+                    req_id in failed or req_id in failed_by_inner
+                )
         for req_id, message in sorted(failed.items()):
             self._failed_loads[req_id] = message
             logger.error("KVGuard fails the KV load (fail-closed). %s.", message)

@@ -104,6 +104,7 @@ class KVGuardWorker:
         self._held: dict[str, float] = {}
         self._verdicts: dict[str, bool] = {}
         self._finished_loads: list[str] = []
+        self._failed_loads: list[str] = []
         # Loads the inner connector makes in this step's forward: checksummed
         # after it, with the step's finished loads.
         self._sync_loads: list[str] = []
@@ -249,10 +250,10 @@ class KVGuardWorker:
             for req_id in results.failed_recving:
                 # The inner connector failed it here: vLLM handles it,
                 # unchecked. Still reported, so that the scheduler's count of
-                # reports completes (its verdict: unverified) and another
-                # rank that loaded it and holds it lets it go.
+                # reports completes (its verdict: failed, not compared) and
+                # another rank that loaded it and holds it lets it go.
                 if self._loads.pop(req_id, None) is not None:
-                    self._finished_loads.append(req_id)
+                    self._failed_loads.append(req_id)
             if done:
                 loads = {req_id: self._loads.pop(req_id) for req_id in done}
                 self.before_checksum(loads)
@@ -294,6 +295,7 @@ class KVGuardWorker:
             *self._held,
             *self._verdicts,
             *self._finished_loads,
+            *self._failed_loads,
             *self._sync_loads,
         }
         if self._checksums is not None:
@@ -318,9 +320,10 @@ class KVGuardWorker:
         else:
             record = self._checksums.take_record()
         finished, self._finished_loads = self._finished_loads, []
-        if record is None and not finished:
+        failed, self._failed_loads = self._failed_loads, []
+        if record is None and not finished and not failed:
             return None
-        return WorkerReport(record, finished)
+        return WorkerReport(record, finished, failed)
 
     def take_stats(self) -> dict[str, int | float] | None:
         """Since the last call: bytes checksummed and the seconds it took, and

@@ -43,7 +43,7 @@ def pickled(obj: object) -> bytes:
 def test_a_workers_record_is_pickled_as_one_msgpack_blob() -> None:
     sums = block_checksums(100)
     meta = KVGuardWorkerMetadata(
-        None, [WorkerReport(worker_record({"r": sums}), ["r"])]
+        None, [WorkerReport(worker_record({"r": sums}), ["r"], ["f"])]
     )
     data = pickled(meta)
     # Not its dataclasses and arrays one by one.
@@ -52,16 +52,17 @@ def test_a_workers_record_is_pickled_as_one_msgpack_blob() -> None:
     back = pickle.loads(data)
     assert isinstance(back, KVGuardWorkerMetadata)
     [report] = back.reports
-    assert report.finished_loads == ["r"]
+    assert (report.finished_loads, report.failed_loads) == (["r"], ["f"])
     assert isinstance(report.record, KVChecksumRecord)
     assert np.array_equal(report.record.checksums["r"][0].values[:, 0], sums)
 
 
 def test_a_record_msgpack_cannot_carry_is_pickled_as_it_is() -> None:
     record = KVChecksumRecord(0, 0, fingerprints={0: 2**70})
-    back = shipped(KVGuardWorkerMetadata(None, [WorkerReport(record, [])]))
+    back = shipped(KVGuardWorkerMetadata(None, [WorkerReport(record, [], ["f"])]))
     # The scheduler's checks then find it malformed.
     assert back.reports[0].record == record
+    assert back.reports[0].failed_loads == ["f"]
 
 
 def test_the_steps_checksums_are_pickled_as_one_msgpack_blob() -> None:

@@ -48,6 +48,9 @@ def test_a_load_one_rank_failed_still_gets_a_verdict(fail_closed: bool) -> None:
     connector = sched.connector
     assert isinstance(connector, KVGuardConnector) and connector._scheduler
     assert connector._scheduler.held_request_ids() == set()
+    # A failed transfer, as vLLM says: not a load KVGuard found unverified.
+    stats = connector._scheduler.stats
+    assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (0, 0, {})
 
 
 def test_a_finished_load_a_worker_was_not_told_of_waits_for_its_verdict() -> None:

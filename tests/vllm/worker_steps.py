@@ -60,7 +60,7 @@ def stub_worker() -> KVGuardWorker:
     worker._checksums = StubKernel()  # type: ignore[assignment]
     worker._layers, worker._block_bytes = [], {}
     worker._loads, worker._held, worker._verdicts = {}, {}, {}
-    worker._finished_loads = []
+    worker._finished_loads, worker._failed_loads = [], []
     worker._sync_loads = []
     worker._busy, worker._bytes, worker._seconds = False, 0, 0.0
     worker._hold_seconds, worker._num_held = 0.0, 0
