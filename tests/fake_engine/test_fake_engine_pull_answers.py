@@ -46,6 +46,7 @@ class StubProducer:
     def __init__(self) -> None:
         self.answer = Answer()
         self.pulls = 0
+        self.port = 0
 
     async def pull(self, request: web.Request) -> web.Response:
         decode_pull_request(await request.read())
@@ -152,8 +153,7 @@ async def decode_and_stub() -> AsyncIterator[tuple[str, str, StubProducer]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    stub.port = port  # type: ignore[attr-defined]
+    stub.port = runner.addresses[0][1]
     specs = (
         EngineSpec(role=Role.PRODUCER, lease_s=5.0),
         _DECODE,
@@ -185,13 +185,9 @@ async def test_a_decode_given_any_pull_answer_fails_the_load_or_verifies_it(
     params = await prefill(session, prefill_url, COMPLETIONS, completion_body())
     stub.answer = answer
     pulls = stub.pulls
-    params = {**params, "remote_port": stub.port}  # type: ignore[attr-defined]
+    params = {**params, "remote_port": stub.port}
     body = {**completion_body(), "kv_transfer_params": params}
-    status, got = await post(
-        session,
-        decode_url + COMPLETIONS,
-        body,
-    )
+    status, got = await post(session, decode_url + COMPLETIONS, body)
     assert stub.pulls == pulls + 1
     assert isinstance(got, dict), got
     if status == 200:
