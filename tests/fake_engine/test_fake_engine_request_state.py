@@ -5,6 +5,8 @@ nor its workers keep any state of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 
 import aiohttp
 import pytest
@@ -94,4 +96,65 @@ async def test_an_engine_holds_nothing_of_requests_that_ended_in_any_way(
 
         assert await _at_rest(producer, consumer) == [set(), set()]
         for engine in (producer, consumer):
+            assert engine.kv.pool.num_free == engine.kv.pool.num_usable
+
+
+async def _any_request(
+    session: aiohttp.ClientSession, urls: list[str], rng: random.Random, i: int
+) -> None:
+    """One request a client might make of a P/D pair, ending one of several
+    ways: whole, left mid-stream or after a random wait, a prefill never
+    pulled or aborted, a decode without P/D."""
+    body = completion_body(prompt=f"p{i} " * rng.randint(1, 40), max_tokens=9)
+    ending = rng.choice(["whole", "left", "gave up", "not pulled", "aborted", "local"])
+    if ending == "local":
+        assert (await post(session, urls[1] + COMPLETIONS, body))[0] == 200
+        return
+    request_id = f"r{i}"
+    params = await prefill(session, urls[0], COMPLETIONS, body, request_id)
+    if ending == "not pulled":
+        return
+    if ending == "aborted":
+        await post(session, urls[0] + ABORT, {"request_ids": [request_id]})
+        return
+    decode = {**body, "kv_transfer_params": params}
+    if ending == "whole":
+        status, _ = await post(session, urls[1] + COMPLETIONS, decode)
+        assert status in (200, 500)  # 500: a corrupted load, failed
+    elif ending == "left":
+        await _leave_mid_stream(session, urls[1], decode)
+    else:
+        wait = aiohttp.ClientTimeout(total=rng.random() * 0.2)
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with session.post(
+                urls[1] + COMPLETIONS, json=decode, timeout=wait
+            ) as response:
+                await response.read()
+
+
+async def test_engines_short_of_blocks_hold_nothing_after_a_burst_of_any_requests(
+    session: aiohttp.ClientSession,
+) -> None:
+    # Pools of a few requests' blocks: requests wait for blocks and are
+    # preempted; one load in five is corrupted.
+    specs = (
+        EngineSpec(role=Role.PRODUCER, lease_s=1.0, num_blocks=40, max_model_len=512),
+        EngineSpec(
+            role=Role.CONSUMER,
+            block_size=32,
+            num_blocks=24,
+            max_model_len=512,
+            max_num_batched_tokens=256,
+            fault=FaultConfig(FaultKind.BITFLIP, FaultSide.CONSUMER, rate=0.2),
+        ),
+    )
+    rng = random.Random(1)
+    async with fake_engines(*specs) as urls:
+        for wave in range(4):
+            await asyncio.gather(
+                *(_any_request(session, urls, rng, wave * 20 + i) for i in range(20))
+            )
+        engines = [urls.engine(0), urls.engine(1)]
+        assert await _at_rest(*engines) == [set(), set()]
+        for engine in engines:
             assert engine.kv.pool.num_free == engine.kv.pool.num_usable
