@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 from engine_steps import block_checksums, consumer_params, request
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
@@ -92,3 +94,54 @@ def test_a_producer_holds_nothing_of_prefills_that_ended_in_any_way(
 
     assert not sched.requests
     assert held(sched, workers) == [set(), set()]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    mode=st.sampled_from(list(MODES)),
+    fail_closed=st.booleans(),
+    tp=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
+    mode: str, fail_closed: bool, tp: int, data: st.DataObject
+) -> None:
+    # Each step: requests arrive, one may be aborted, and each rank's inner
+    # connector finishes or fails any of the loads it has in flight. Then
+    # every load left finishes, and the engine runs until it is idle.
+    sched = engine("kv_consumer", tp, fail_closed, MODES[mode])
+    workers = [stub_worker() for _ in range(tp)]
+    aggregator = KVOutputAggregator(tp)
+    params = consumer_params(N, block_checksums(N))
+    added = 0
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
+        for _ in range(data.draw(st.integers(0, 2), label="arrivals")):
+            sched.add_request(request(f"r{added}", N, dict(params), max_tokens=1))
+            added += 1
+        live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
+        if live and data.draw(st.booleans(), label="abort one"):
+            victim = data.draw(st.sampled_from(live), label="aborted")
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        results = {}
+        for rank, worker in enumerate(workers):
+            in_flight = sorted(worker._loads)
+            outcome = st.sampled_from(["wait", "finish", "fail"])
+            ends = {r: data.draw(outcome, label=f"rank {rank} {r}") for r in in_flight}
+            results[rank] = KVConnectorTransferResults(
+                finished_recving={r for r, end in ends.items() if end != "wait"},
+                failed_recving={r for r, end in ends.items() if end == "fail"},
+            )
+        run_step(sched, workers, aggregator, results)
+    for _ in range(8):
+        run_step(
+            sched,
+            workers,
+            aggregator,
+            {
+                rank: KVConnectorTransferResults(finished_recving=set(worker._loads))
+                for rank, worker in enumerate(workers)
+            },
+        )
+
+    assert not sched.requests
+    assert held(sched, workers) == [set()] * (1 + tp)
