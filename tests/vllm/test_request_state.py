@@ -145,3 +145,47 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
 
     assert not sched.requests
     assert held(sched, workers) == [set()] * (1 + tp)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    mode=st.sampled_from(list(MODES)),
+    tp=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_a_producer_holds_nothing_after_any_interleaving_of_prefills_and_aborts(
+    mode: str, tp: int, data: st.DataObject
+) -> None:
+    # Each step: requests arrive, one may be aborted mid-prefill (prompts
+    # take two or more steps of 64 tokens), and the inner connector reports
+    # any finished prefill's KV sent. Then all are sent.
+    sched = engine("kv_producer", tp, cls=MODES[mode], step_tokens=64)
+    workers = [stub_worker() for _ in range(tp)]
+    aggregator = KVOutputAggregator(tp)
+    added = 0
+
+    def sent(req_ids: set[str]) -> dict[int, KVConnectorTransferResults]:
+        return {
+            rank: KVConnectorTransferResults(finished_sending=set(req_ids))
+            for rank in range(tp)
+        }
+
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
+        for _ in range(data.draw(st.integers(0, 2), label="arrivals")):
+            sched.add_request(
+                request(f"p{added}", N, {"do_remote_decode": True}, max_tokens=1)
+            )
+            added += 1
+        live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
+        if live and data.draw(st.booleans(), label="abort one"):
+            victim = data.draw(st.sampled_from(live), label="aborted")
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        held_kv = sorted(r for r, q in sched.requests.items() if q.is_finished())
+        now = {r for r in held_kv if data.draw(st.booleans(), label=f"send {r}")}
+        run_step(sched, workers, aggregator, sent(now))
+    for _ in range(40):  # 16 prompts of 100 tokens take 25 steps
+        held_kv = {r for r, q in sched.requests.items() if q.is_finished()}
+        run_step(sched, workers, aggregator, sent(held_kv))
+
+    assert not sched.requests
+    assert held(sched, workers) == [set()] * (1 + tp)

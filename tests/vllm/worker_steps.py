@@ -79,6 +79,12 @@ def run_step(
     inner connector's ``results``; ``scheduled=False`` loses the step's
     checksum metadata on the workers. The requests the step scheduled."""
     out = sched.schedule()
+    # Scheduled a chunk of their prompt that is not its last: no token.
+    prefilling = {
+        r
+        for r in out.num_scheduled_tokens
+        if sched.requests[r].num_computed_tokens < sched.requests[r].num_prompt_tokens
+    }
     meta = shipped(out.kv_connector_metadata)
     per_rank = []
     for rank, worker in enumerate(workers):
@@ -102,7 +108,7 @@ def run_step(
             if report is None
             else KVGuardWorkerMetadata(None, [report]),
         )
-        per_rank.append(shipped(runner_output(out, output)))
+        per_rank.append(shipped(runner_output(out, output, prefilling)))
     merged = aggregator.aggregate(per_rank)
     assert merged is not None
     sched.update_from_output(out, merged)
@@ -114,11 +120,15 @@ def engine(
     tp: int,
     fail_closed: bool = True,
     cls: type[Scheduler] = Scheduler,
+    step_tokens: int | None = None,
 ) -> Scheduler:
-    """vLLM's scheduler of class ``cls`` for an engine of ``tp`` ranks."""
+    """vLLM's scheduler of class ``cls`` for an engine of ``tp`` ranks, each
+    step scheduling up to ``step_tokens`` tokens (chunked prefill) if set."""
     config = vllm_config(role, fail_closed=fail_closed)
     config.parallel_config.tensor_parallel_size = tp
     config.parallel_config.world_size = tp
+    if step_tokens is not None:
+        config.scheduler_config.max_num_batched_tokens = step_tokens
     return make_scheduler(cls, config)
 
 
