@@ -198,12 +198,14 @@ def consumer_params(
     return params
 
 
-def worker_record(checksums: dict[str, np.ndarray]) -> KVChecksumRecord:
-    """One worker's (TP 1) record: per request, its checksums of the request's
-    blocks from position 0."""
+def worker_record(
+    checksums: dict[str, np.ndarray], tp_rank: int = 0
+) -> KVChecksumRecord:
+    """One worker's record (TP rank ``tp_rank``, PP 1): per request, its
+    checksums of the request's blocks from position 0."""
     return KVChecksumRecord(
         pp_rank=0,
-        tp_rank=0,
+        tp_rank=tp_rank,
         checksums={
             req_id: {0: KVChecksumGroup(0, [(1, 0)], values.reshape(-1, 1).copy())}
             for req_id, values in checksums.items()

@@ -106,18 +106,27 @@ def test_a_producer_holds_nothing_of_prefills_that_ended_in_any_way(
 def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
     mode: str, fail_closed: bool, tp: int, data: st.DataObject
 ) -> None:
-    # Each step: requests arrive, one may be aborted, and each rank's inner
-    # connector finishes or fails any of the loads it has in flight. Then
-    # every load left finishes, and the engine runs until it is idle.
+    # Each step: requests arrive, some to load corrupted KV, one may be
+    # aborted, and each rank's inner connector finishes, fails or keeps each
+    # load it has in flight. Then every load left finishes, and the engine
+    # runs until it is idle. Fail-closed, no corrupted load is ever decoded.
     sched = engine("kv_consumer", tp, fail_closed, MODES[mode])
-    workers = [stub_worker() for _ in range(tp)]
+    checksums = block_checksums(N)
+    workers = [stub_worker(rank, checksums) for rank in range(tp)]
     aggregator = KVOutputAggregator(tp)
-    params = consumer_params(N, block_checksums(N))
+    params = consumer_params(N, checksums)
     added = 0
+    corrupted: set[str] = set()
+    decoded: set[str] = set()
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         for _ in range(data.draw(st.integers(0, 2), label="arrivals")):
-            sched.add_request(request(f"r{added}", N, dict(params), max_tokens=1))
+            req_id = f"r{added}"
+            sched.add_request(request(req_id, N, dict(params), max_tokens=1))
             added += 1
+            if data.draw(st.booleans(), label=f"{req_id} corrupted"):
+                corrupted.add(req_id)
+                for worker in workers:
+                    worker._checksums.corrupted.add(req_id)  # type: ignore[union-attr]
         live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
         if live and data.draw(st.booleans(), label="abort one"):
             victim = data.draw(st.sampled_from(live), label="aborted")
@@ -131,9 +140,9 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
                 finished_recving={r for r, end in ends.items() if end != "wait"},
                 failed_recving={r for r, end in ends.items() if end == "fail"},
             )
-        run_step(sched, workers, aggregator, results)
+        decoded |= run_step(sched, workers, aggregator, results)
     for _ in range(8):
-        run_step(
+        decoded |= run_step(
             sched,
             workers,
             aggregator,
@@ -145,6 +154,8 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
 
     assert not sched.requests
     assert held(sched, workers) == [set()] * (1 + tp)
+    if fail_closed:
+        assert not decoded & corrupted
 
 
 @settings(max_examples=25, deadline=None)

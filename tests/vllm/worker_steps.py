@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_steps import make_scheduler, runner_output, shipped, vllm_config
+import numpy as np
+from engine_steps import (
+    make_scheduler,
+    runner_output,
+    shipped,
+    vllm_config,
+    worker_record,
+)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
@@ -25,11 +32,18 @@ RECORD = object()  # stands for a step's KVChecksumRecord
 class StubKernel:
     """KVChecksumWorker's contract, without KV: sends begun in ``begin_step``
     are checksummed by ``after_forward`` and reported by the next
-    ``take_record``; loads give no record (so they are unverified)."""
+    ``take_record``. Loads give no record (so they are unverified), unless
+    ``load_sums`` is set: then rank 0 reports them as each load's checksums
+    (flipped for loads in ``corrupted``) and other ranks zeros, so that the
+    ranks' sums add up to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, load_sums: np.ndarray | None = None) -> None:
+        self.rank = rank
+        self.load_sums = load_sums
+        self.corrupted: set[str] = set()
         self.sends: dict[str, Any] = {}
         self.ready: object | None = None
+        self.loaded: dict[str, np.ndarray] = {}
         self.loads_checksummed: list[str] = []
 
     def begin_step(self, scheduled: KVChecksumScheduled | None) -> None:
@@ -41,23 +55,33 @@ class StubKernel:
 
     def on_loads_finished(self, done: list[str]) -> None:
         self.loads_checksummed += done
+        if self.load_sums is None:
+            return
+        for req_id in done:
+            sums = self.load_sums if self.rank == 0 else 0 * self.load_sums
+            if req_id in self.corrupted and self.rank == 0:
+                sums = sums ^ np.uint64(1)
+            self.loaded[req_id] = sums
 
     def request_finished(self, req_ids: set[str]) -> None:
         pass
 
     def held_request_ids(self) -> set[str]:
-        return set(self.sends)
+        return {*self.sends, *self.loaded}
 
     def take_record(self) -> object | None:
+        if self.loaded:
+            loaded, self.loaded = self.loaded, {}
+            return worker_record(loaded, tp_rank=self.rank)
         record, self.ready = self.ready, None
         return record
 
 
-def stub_worker() -> KVGuardWorker:
+def stub_worker(rank: int = 0, load_sums: np.ndarray | None = None) -> KVGuardWorker:
     """KVGuard's real worker logic over the stub kernel (no KV tensors)."""
     worker = object.__new__(KVGuardWorker)
     worker._hold = None
-    worker._checksums = StubKernel()  # type: ignore[assignment]
+    worker._checksums = StubKernel(rank, load_sums)  # type: ignore[assignment]
     worker._layers, worker._block_bytes = [], {}
     worker._loads, worker._held, worker._verdicts = {}, {}, {}
     worker._finished_loads, worker._failed_loads = [], []
