@@ -19,13 +19,16 @@ from typing import Literal
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pd_models import CLEAN_PAIRINGS, CleanPairing
+from pd_models import CLEAN_PAIRINGS, MODEL, CleanPairing
 from pd_sim import (
     KV,
     GroupShape,
     ModelShape,
     SimEngine,
     load_together,
+    offload,
+    offload_engine,
+    reload,
     transfers_together,
 )
 
@@ -247,3 +250,38 @@ def test_a_load_is_used_only_if_the_consumer_reads_the_producers_kv(
         engine.scheduler.take_uncompared_blocks()
         assert engine.scheduler.held_request_ids() == set()
         assert all(not w.held_request_ids() for w in engine.workers.values())
+
+
+@st.composite
+def _reloads(draw: st.DrawFn) -> tuple[int, int, int, tuple[Change, ...]]:
+    """(TP size, block size, whole blocks offloaded, changes to the KV the
+    tier hands back)."""
+    block_size = draw(st.sampled_from([16, 32]))
+    num_tokens = block_size * draw(st.integers(1, 4))
+    changes = draw(st.lists(_changes(MODEL, num_tokens), max_size=3))
+    return draw(st.sampled_from([1, 2, 4])), block_size, num_tokens, tuple(changes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_reloads())
+def test_a_reload_of_offloaded_kv_fails_exactly_on_the_blocks_that_changed(
+    reload_case: tuple[int, int, int, tuple[Change, ...]],
+) -> None:
+    tp, block_size, num_tokens, changes = reload_case
+    engine = offload_engine(MODEL, tp=tp, block_size=block_size)
+    offloaded = offload(engine, "first", MODEL.random_kv(tp, num_tokens), num_tokens)
+    before = offloaded.kv[0].copy()
+
+    def corrupt(kv: KV) -> None:
+        for change in changes:
+            change.apply(kv)
+        # The blocks whose tokens now differ, in any layer, head or byte.
+        differs = (kv[0] != before).any(axis=(0, 2, 3))
+        changed.update(np.flatnonzero(differs) // block_size)
+
+    changed: set[int] = set()
+    failed = reload(engine, "second", offloaded, corrupt=corrupt)
+
+    assert failed == ({"second"} if changed else set())
+    expected = [("second", {0: sorted(changed)})] if changed else []
+    assert engine.connector.failures == expected
