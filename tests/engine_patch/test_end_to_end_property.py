@@ -159,13 +159,12 @@ def _reads_other_kv(model: ModelShape, seen: KV, produced: KV, n: int) -> bool:
     last ``sliding_window`` tokens of a sliding-window group (a recomputed
     last token reads that far back), a state group's running state."""
     for g, group in enumerate(model.groups):
-        start = 0
-        if isinstance(group, GroupShape) and group.sliding_window is not None:
-            start = max(0, n - group.sliding_window)
-        if isinstance(group, GroupShape):
-            same = np.array_equal(seen[g][:, start:], produced[g][:, start:])
-        else:
+        if not isinstance(group, GroupShape):
             same = np.array_equal(seen[g], produced[g])
+        else:
+            window = group.sliding_window
+            start = 0 if window is None else max(0, n - window)
+            same = np.array_equal(seen[g][:, start:], produced[g][:, start:])
         if not same:
             return True
     return False
@@ -271,6 +270,7 @@ def test_a_reload_of_offloaded_kv_fails_exactly_on_the_blocks_that_changed(
     engine = offload_engine(MODEL, tp=tp, block_size=block_size)
     offloaded = offload(engine, "first", MODEL.random_kv(tp, num_tokens), num_tokens)
     before = offloaded.kv[0].copy()
+    changed: set[int] = set()
 
     def corrupt(kv: KV) -> None:
         for change in changes:
@@ -279,7 +279,6 @@ def test_a_reload_of_offloaded_kv_fails_exactly_on_the_blocks_that_changed(
         differs = (kv[0] != before).any(axis=(0, 2, 3))
         changed.update(np.flatnonzero(differs) // block_size)
 
-    changed: set[int] = set()
     failed = reload(engine, "second", offloaded, corrupt=corrupt)
 
     assert failed == ({"second"} if changed else set())

@@ -15,25 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
-from worker_steps import N, engine, run_step, stub_worker
+from worker_steps import N, engine, held, run_step, stub_worker
 
-from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.scheduler import KVGuardScheduler
-from engine_patch.vllm.worker_side import KVGuardWorker
 
 pytestmark = pytest.mark.vllm
 
 MODES = {"same-step": KVGuardScheduler, "connector-only": Scheduler}
-
-
-def held(sched: Scheduler, workers: list[KVGuardWorker]) -> list[set[str]]:
-    """What the scheduler side, then each worker, holds state of."""
-    connector = sched.connector
-    assert isinstance(connector, KVGuardConnector) and connector._scheduler
-    return [
-        connector._scheduler.held_request_ids(),
-        *(worker.held_request_ids() for worker in workers),
-    ]
 
 
 @pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
@@ -96,6 +84,14 @@ def test_a_producer_holds_nothing_of_prefills_that_ended_in_any_way(
     assert held(sched, workers) == [set(), set()]
 
 
+def _maybe_abort_one(sched: Scheduler, data: st.DataObject) -> None:
+    """Abort one unfinished request, or none, as ``data`` draws."""
+    live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
+    if live and data.draw(st.booleans(), label="abort one"):
+        victim = data.draw(st.sampled_from(live), label="aborted")
+        sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     mode=st.sampled_from(list(MODES)),
@@ -127,10 +123,7 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
                 corrupted.add(req_id)
                 for worker in workers:
                     worker._checksums.corrupted.add(req_id)  # type: ignore[union-attr]
-        live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
-        if live and data.draw(st.booleans(), label="abort one"):
-            victim = data.draw(st.sampled_from(live), label="aborted")
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        _maybe_abort_one(sched, data)
         results = {}
         for rank, worker in enumerate(workers):
             in_flight = sorted(worker._loads)
@@ -187,10 +180,7 @@ def test_a_producer_holds_nothing_after_any_interleaving_of_prefills_and_aborts(
                 request(f"p{added}", N, {"do_remote_decode": True}, max_tokens=1)
             )
             added += 1
-        live = sorted(r for r, q in sched.requests.items() if not q.is_finished())
-        if live and data.draw(st.booleans(), label="abort one"):
-            victim = data.draw(st.sampled_from(live), label="aborted")
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        _maybe_abort_one(sched, data)
         held_kv = sorted(r for r, q in sched.requests.items() if q.is_finished())
         now = {r for r in held_kv if data.draw(st.booleans(), label=f"send {r}")}
         run_step(sched, workers, aggregator, sent(now))

@@ -17,7 +17,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.v1.request import RequestStatus
-from worker_steps import RECORD, N, StubKernel, consumer, run_step, stub_worker
+from worker_steps import (
+    RECORD,
+    N,
+    StubKernel,
+    consumer,
+    held,
+    run_step,
+    stub_worker,
+)
 
 from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.vllm.connector import KVGuardConnector
@@ -44,11 +52,10 @@ def test_a_load_one_rank_failed_still_gets_a_verdict(fail_closed: bool) -> None:
     # Failed (kv_load_failure_policy "fail"), not waiting for ever; nothing
     # of it left behind on either side.
     assert "r1" not in sched.requests
-    assert [w.held_request_ids() for w in workers] == [set(), set()]
+    assert held(sched, workers) == [set(), set(), set()]
+    # A failed transfer, as vLLM says: not a load KVGuard found unverified.
     connector = sched.connector
     assert isinstance(connector, KVGuardConnector) and connector._scheduler
-    assert connector._scheduler.held_request_ids() == set()
-    # A failed transfer, as vLLM says: not a load KVGuard found unverified.
     stats = connector._scheduler.stats
     assert (stats.verified, stats.mismatch, dict(stats.unverified)) == (0, 0, {})
 

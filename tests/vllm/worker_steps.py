@@ -22,6 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 
 from engine_patch.types import KVChecksumScheduled
+from engine_patch.vllm.connector import KVGuardConnector
 from engine_patch.vllm.metadata import KVGuardConnectorMetadata, KVGuardWorkerMetadata
 from engine_patch.vllm.worker_side import KVGuardWorker
 
@@ -75,6 +76,16 @@ class StubKernel:
             return worker_record(loaded, tp_rank=self.rank)
         record, self.ready = self.ready, None
         return record
+
+
+def held(sched: Scheduler, workers: list[KVGuardWorker]) -> list[set[str]]:
+    """What KVGuard's scheduler side, then each worker, holds state of."""
+    connector = sched.connector
+    assert isinstance(connector, KVGuardConnector) and connector._scheduler
+    return [
+        connector._scheduler.held_request_ids(),
+        *(worker.held_request_ids() for worker in workers),
+    ]
 
 
 def stub_worker(rank: int = 0, load_sums: np.ndarray | None = None) -> KVGuardWorker:
