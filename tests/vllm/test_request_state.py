@@ -13,15 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
-from worker_steps import N, engine, held, run_step, stub_worker
+from worker_steps import N, Steps, engine, held, run_step, stub_worker
 
-from engine_patch.vllm.scheduler import KVGuardScheduler
+from engine_patch.vllm.scheduler import KVGuardAsyncScheduler, KVGuardScheduler
 
 pytestmark = pytest.mark.vllm
 
 MODES = {"same-step": KVGuardScheduler, "connector-only": Scheduler}
+# Under async scheduling (pipelined steps), each mode's scheduler class.
+ASYNC_MODES = {"same-step": KVGuardAsyncScheduler, "connector-only": AsyncScheduler}
 
 
 @pytest.mark.parametrize("fail_closed", [True, False], ids=["closed", "open"])
@@ -95,21 +98,24 @@ def _maybe_abort_one(sched: Scheduler, data: st.DataObject) -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     mode=st.sampled_from(list(MODES)),
+    pipelined=st.booleans(),
     fail_closed=st.booleans(),
     tp=st.sampled_from([1, 2]),
     data=st.data(),
 )
 def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
-    mode: str, fail_closed: bool, tp: int, data: st.DataObject
+    mode: str, pipelined: bool, fail_closed: bool, tp: int, data: st.DataObject
 ) -> None:
     # Each step: requests arrive, some to load corrupted KV, one may be
     # aborted, and each rank's inner connector finishes, fails or keeps each
     # load it has in flight. Then every load left finishes, and the engine
     # runs until it is idle. Fail-closed, no corrupted load is ever decoded.
-    sched = engine("kv_consumer", tp, fail_closed, MODES[mode])
+    # Pipelined: async scheduling, each step's output a step late.
+    cls = (ASYNC_MODES if pipelined else MODES)[mode]
+    sched = engine("kv_consumer", tp, fail_closed, cls)
     checksums = block_checksums(N)
     workers = [stub_worker(rank, checksums) for rank in range(tp)]
-    aggregator = KVOutputAggregator(tp)
+    steps = Steps(sched, workers, KVOutputAggregator(tp), pipelined)
     params = consumer_params(N, checksums)
     added = 0
     corrupted: set[str] = set()
@@ -133,17 +139,15 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
                 finished_recving={r for r, end in ends.items() if end != "wait"},
                 failed_recving={r for r, end in ends.items() if end == "fail"},
             )
-        decoded |= run_step(sched, workers, aggregator, results)
+        decoded |= steps.step(results)
     for _ in range(8):
-        decoded |= run_step(
-            sched,
-            workers,
-            aggregator,
+        decoded |= steps.step(
             {
                 rank: KVConnectorTransferResults(finished_recving=set(worker._loads))
                 for rank, worker in enumerate(workers)
-            },
+            }
         )
+    steps.drain()
 
     assert not sched.requests
     assert held(sched, workers) == [set()] * (1 + tp)
@@ -154,25 +158,42 @@ def test_a_consumer_holds_nothing_after_any_interleaving_of_loads_and_aborts(
 @settings(max_examples=25, deadline=None)
 @given(
     mode=st.sampled_from(list(MODES)),
+    pipelined=st.booleans(),
     tp=st.sampled_from([1, 2]),
     data=st.data(),
 )
 def test_a_producer_holds_nothing_after_any_interleaving_of_prefills_and_aborts(
-    mode: str, tp: int, data: st.DataObject
+    mode: str, pipelined: bool, tp: int, data: st.DataObject
 ) -> None:
     # Each step: requests arrive, one may be aborted mid-prefill (prompts
     # take two or more steps of 64 tokens), and the inner connector reports
-    # any finished prefill's KV sent. Then all are sent.
-    sched = engine("kv_producer", tp, cls=MODES[mode], step_tokens=64)
-    workers = [stub_worker() for _ in range(tp)]
-    aggregator = KVOutputAggregator(tp)
+    # any finished prefill's KV sent. Then all are sent. Pipelined: async
+    # scheduling, each step's output a step late.
+    cls = (ASYNC_MODES if pipelined else MODES)[mode]
+    sched = engine("kv_producer", tp, cls=cls, step_tokens=64)
+    steps = Steps(
+        sched, [stub_worker() for _ in range(tp)], KVOutputAggregator(tp), pipelined
+    )
+    workers = steps.workers
     added = 0
+    # A connector reports each send once; pipelined, a request whose send
+    # was reported stays in the scheduler until that step's output arrives.
+    reported: set[str] = set()
 
     def sent(req_ids: set[str]) -> dict[int, KVConnectorTransferResults]:
+        reported.update(req_ids)
         return {
             rank: KVConnectorTransferResults(finished_sending=set(req_ids))
             for rank in range(tp)
         }
+
+    def holding_kv() -> list[str]:
+        """Finished prefills whose KV waits for its send."""
+        return sorted(
+            r
+            for r, q in sched.requests.items()
+            if q.is_finished() and r not in reported
+        )
 
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         for _ in range(data.draw(st.integers(0, 2), label="arrivals")):
@@ -181,12 +202,11 @@ def test_a_producer_holds_nothing_after_any_interleaving_of_prefills_and_aborts(
             )
             added += 1
         _maybe_abort_one(sched, data)
-        held_kv = sorted(r for r, q in sched.requests.items() if q.is_finished())
-        now = {r for r in held_kv if data.draw(st.booleans(), label=f"send {r}")}
-        run_step(sched, workers, aggregator, sent(now))
+        now = {r for r in holding_kv() if data.draw(st.booleans(), label=f"send {r}")}
+        steps.step(sent(now))
     for _ in range(40):  # 16 prompts of 100 tokens take 25 steps
-        held_kv = {r for r, q in sched.requests.items() if q.is_finished()}
-        run_step(sched, workers, aggregator, sent(held_kv))
+        steps.step(sent(set(holding_kv())))
+    steps.drain()
 
     assert not sched.requests
     assert held(sched, workers) == [set()] * (1 + tp)

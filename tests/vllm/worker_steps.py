@@ -18,8 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from engine_patch.types import KVChecksumScheduled
 from engine_patch.vllm.connector import KVGuardConnector
@@ -114,6 +115,23 @@ def run_step(
     inner connector's ``results``; ``scheduled=False`` loses the step's
     checksum metadata on the workers. The requests the step scheduled."""
     out = sched.schedule()
+    sched.update_from_output(
+        out, execute(sched, out, workers, aggregator, results, scheduled=scheduled)
+    )
+    return set(out.num_scheduled_tokens)
+
+
+def execute(
+    sched: Scheduler,
+    out: SchedulerOutput,
+    workers: list[KVGuardWorker],
+    aggregator: KVOutputAggregator,
+    results: dict[int, KVConnectorTransferResults],
+    *,
+    scheduled: bool = True,
+) -> ModelRunnerOutput:
+    """The workers run the step ``out``; their output, merged as vLLM's
+    executor merges the ranks'."""
     # Scheduled a chunk of their prompt that is not its last: no token.
     prefilling = {
         r
@@ -146,8 +164,44 @@ def run_step(
         per_rank.append(shipped(runner_output(out, output, prefilling)))
     merged = aggregator.aggregate(per_rank)
     assert merged is not None
-    sched.update_from_output(out, merged)
-    return set(out.num_scheduled_tokens)
+    return merged
+
+
+class Steps:
+    """Engine steps over ``workers``, as vLLM's engine core runs them:
+    one at a time, or ``pipelined`` as under async scheduling (a batch
+    queue of two), where step N+1 is scheduled and its workers run before
+    step N's output reaches ``update_from_output``."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        workers: list[KVGuardWorker],
+        aggregator: KVOutputAggregator,
+        pipelined: bool,
+    ) -> None:
+        self.sched = sched
+        self.workers = workers
+        self.aggregator = aggregator
+        self.pipelined = pipelined
+        self._pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def step(self, results: dict[int, KVConnectorTransferResults]) -> set[str]:
+        """One step, each rank given its inner connector's ``results``; the
+        requests it scheduled."""
+        if not self.pipelined:
+            return run_step(self.sched, self.workers, self.aggregator, results)
+        out = self.sched.schedule()
+        merged = execute(self.sched, out, self.workers, self.aggregator, results)
+        self.drain()
+        self._pending = (out, merged)
+        return set(out.num_scheduled_tokens)
+
+    def drain(self) -> None:
+        """The step in flight, if any, reaches ``update_from_output``."""
+        if self._pending is not None:
+            self.sched.update_from_output(*self._pending)
+            self._pending = None
 
 
 def engine(
