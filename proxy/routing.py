@@ -70,7 +70,13 @@ class Router:
             if partner is not None:
                 paired = [i for i in fresh if not self.tracker.pair_ejected(partner, i)]
             elif partners is not None:
-                others = [d for d in partners.instances if d.usable() and not d.ejected]
+                others = []
+                for d in partners.instances:
+                    if d.usable():
+                        # As the decode's own pick will: its cooldown may be over.
+                        self._reinstate_expired(d, now, probing)
+                        if not d.ejected:
+                            others.append(d)
                 paired = [
                     i
                     for i in fresh
