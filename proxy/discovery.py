@@ -8,6 +8,9 @@ resolver or the configured nameservers) and reconciles its pool:
 - an address that left DNS is drained: requests in flight on it finish, no
   new one is routed to it, and it is removed once idle;
 - an address that comes back while draining is undrained;
+- an address two ``dns:`` entries of a pool share is listed once, and kept
+  while either name has it: when the one that found it drops it, the other
+  takes it over (live state and all) instead of draining it;
 - what the admin API said of an address holds across lookups: one it
   removed is not added back (until it adds it again, or a reload restores
   the file's pools), one it drained stays drained when DNS drops it and
@@ -77,6 +80,8 @@ class Discovery:
         self._wake = asyncio.Event()
         # Instances this module drained because their address left DNS.
         self._draining: set[Instance] = set()
+        # Each name's last successful answer (instance URLs).
+        self._seen: dict[str, set[str]] = {}
         # The admin API's word on addresses DNS may bring back, by Instance.key:
         # the ones it removed, and the ones it drained.
         self._removed: set[Key] = set()
@@ -151,11 +156,22 @@ class Discovery:
         resolver = await self._current_resolver()
         found = await asyncio.gather(*(self.resolve(resolver, n) for n in names))
         answers = {n: a for n, a in zip(names, found, strict=True) if a is not None}
+        self._seen.update(answers)
         # The configuration may have been reloaded while we waited: use the new one.
-        for model, pool, entry in self._entries():
+        entries = list(self._entries())
+        pool_names: dict[int, list[str]] = {}
+        for _, pool, entry in entries:
+            pool_names.setdefault(id(pool), []).append(entry.dns or "")
+        for model, pool, entry in entries:
             addresses = answers.get(entry.dns or "")
             if addresses is not None:
-                self._reconcile(model, pool, entry, addresses)
+                others = {
+                    url: name
+                    for name in pool_names[id(pool)]
+                    if name != entry.dns
+                    for url in self._seen.get(name, ())
+                }
+                self._reconcile(model, pool, entry, addresses, others)
             if not self.state.config.health.enabled:
                 # No health loop: probe the instances still waiting to enter.
                 for inst in pool.instances:
@@ -165,6 +181,8 @@ class Discovery:
 
     def _forget_names(self, gone: set[str]) -> None:
         """Drops the metric series of names no entry has any more."""
+        for name in gone:
+            self._seen.pop(name, None)
         if gone:
             remove_series(self.addresses, ("name",), lambda v: v[0] in gone)
             remove_series(self.lookups, ("name", "outcome"), lambda v: v[0] in gone)
@@ -195,18 +213,39 @@ class Discovery:
     # -------------------------------------------------------- reconciling
 
     def _reconcile(
-        self, model: str, pool: Pool, entry: InstanceConfig, urls: set[str]
+        self,
+        model: str,
+        pool: Pool,
+        entry: InstanceConfig,
+        urls: set[str],
+        others: dict[str, str],
     ) -> None:
-        """Makes ``pool``'s instances from ``entry`` match ``urls``."""
+        """Makes ``pool``'s instances from ``entry`` match ``urls``.
+
+        ``others`` maps the URLs the pool's other ``dns:`` entries last saw
+        to one such name: an address one of them still has is handed over,
+        not drained, and a draining address ``urls`` has again is taken over.
+        """
         assert entry.dns is not None
+        for inst in pool.instances:
+            if (
+                inst in self._draining
+                and inst.discovered_by not in (None, entry.dns)
+                and inst.url in urls
+            ):
+                inst.discovered_by = entry.dns
         mine = {i.url: i for i in pool.instances if i.discovered_by == entry.dns}
         taken = {i.url for i in pool.instances}
         for url, inst in mine.items():
-            if url in urls:
+            if url not in urls and url in others:
+                inst.discovered_by = others[url]
+            if url in urls or url in others:
                 if inst in self._draining:
                     self._draining.discard(inst)
                     inst.drained = inst.key in self._drained
-                    log.warning("%s %s is back in DNS (%s)", pool.role, url, entry.dns)
+                    log.warning(
+                        "%s %s is back in DNS (%s)", pool.role, url, inst.discovered_by
+                    )
             elif inst not in self._draining:
                 self._draining.add(inst)
                 inst.drained = True
