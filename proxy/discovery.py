@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from aiohttp.abc import AbstractResolver
@@ -283,6 +283,11 @@ class Discovery:
         pool.instances = [*pool.instances, *added]
         for inst in added:
             self.state.spawn(self.state.health.probe_instance(inst))
+
+    def last_answers(self) -> Mapping[str, Collection[str]]:
+        """Each name's last successful answer (instance URLs), for names the
+        configuration had at the last round."""
+        return self._seen
 
     def release(self, inst: Instance) -> None:
         """``inst`` is configured by url now: if its address had left DNS, it

@@ -96,10 +96,11 @@ class ProxyState:
         old: dict[Key, Instance] = {i.key: i for i in self.all_instances()}
         kept: set[Instance] = set()
         new = joining or {}
+        seen = self.discovery.last_answers()
         for name, model in config.models.items():
             models[name] = ModelPools(
-                self._pool(name, "prefill", model.prefill, keys, old, kept, new),
-                self._pool(name, "decode", model.decode, keys, old, kept, new),
+                self._pool(name, "prefill", model.prefill, keys, old, kept, new, seen),
+                self._pool(name, "decode", model.decode, keys, old, kept, new, seen),
             )
         for inst in kept:
             if inst.discovered_by is None:
@@ -135,25 +136,40 @@ class ProxyState:
         old: dict[Key, Instance],
         kept: set[Instance],
         joining: Mapping[Key, Instance],
+        seen: Mapping[str, Collection[str]],
     ) -> Pool:
         """A pool for ``cfg``, reusing the Instance objects already serving it.
 
         An address a ``url:`` entry lists is that entry's, even when a
         ``dns:`` entry of the pool found it first: listed once, never
-        drained for leaving DNS.
+        drained for leaving DNS. An address found by a name ``cfg`` no
+        longer has is taken over by an entry whose name last answered it
+        (``seen``), live state and all, as discovery hands over an address
+        two names share.
         """
         configured = {e.url for e in cfg.instances if e.url is not None}
+        names = {e.dns for e in cfg.instances if e.dns is not None}
         instances = []
         for inst_cfg in cfg.instances:
             key = keys[id(inst_cfg)]
             if inst_cfg.url is None:
                 # A dns: entry keeps what discovery found; it resolves again now.
+                answered = seen.get(inst_cfg.dns or "", ())
                 for found in old.values():
                     if (
                         (found.model, found.role) == (model, role)
-                        and found.discovered_by == inst_cfg.dns
                         and found.url not in configured
+                        and found not in kept
+                        and (
+                            found.discovered_by == inst_cfg.dns
+                            or (
+                                found.discovered_by not in names
+                                and found.discovered_by is not None
+                                and found.url in answered
+                            )
+                        )
                     ):
+                        found.discovered_by = inst_cfg.dns
                         found.weight = inst_cfg.weight
                         found.set_api_key(key)
                         kept.add(found)

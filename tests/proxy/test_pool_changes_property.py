@@ -306,6 +306,7 @@ class PoolChanges(RuleBasedStateMachine):
         """DNS now answers ``changes`` (None: the lookup fails), then one
         round: every name the configuration has, resolved and reconciled."""
         self.resolver.records.update(changes)
+        self.forget_dropped_names()
         before = self.snapshot()
         answered = self.answered()
         self.run(self.state.discovery.refresh())
@@ -319,6 +320,7 @@ class PoolChanges(RuleBasedStateMachine):
         """A round whose lookups are answered only after a reload: it
         reconciles the new configuration's pools."""
         self.resolver.records.update(changes)
+        self.forget_dropped_names()
         answered = self.answered()
         assert self.file is not None
         looks_up = any(self.file.pool(role).names for role in ROLES)
@@ -346,6 +348,13 @@ class PoolChanges(RuleBasedStateMachine):
             self.check_round(reloaded, self.snapshot(), answered)
 
         self.run(interleaved())
+
+    def forget_dropped_names(self) -> None:
+        """A round starts by forgetting the answers of names the
+        configuration no longer has."""
+        assert self.file is not None
+        names = {n for role in ROLES for n in self.file.pool(role).names}
+        self.last_answer = {n: a for n, a in self.last_answer.items() if n in names}
 
     def answered(self) -> dict[str, frozenset[str]]:
         """The URLs each name the configuration has resolves to now, for
@@ -475,10 +484,14 @@ class PoolChanges(RuleBasedStateMachine):
             for key, seen in listed.items():
                 old = before.get(key)
                 if seen.discovered_by is not None:
-                    # Only what discovery found for an entry the file still has.
+                    # Only what discovery found for an entry the file still
+                    # has, or what a name it has last answered.
                     assert old is not None and old.inst is seen.inst, key
                     assert seen.discovered_by in pool.names
-                    assert old.discovered_by == seen.discovered_by
+                    if old.discovered_by in pool.names:
+                        assert old.discovered_by == seen.discovered_by
+                    else:
+                        assert key[2] in self.last_answer[seen.discovered_by], key
                 elif old is None:
                     assert seen.in_flight == 0 and not seen.drained
                     assert seen.healthy == (
@@ -504,10 +517,18 @@ class PoolChanges(RuleBasedStateMachine):
                     continue
                 if key not in after:
                     assert old.inst.removed
-                    # What discovery found for an entry still there stays.
+                    # What discovery found for an entry still there stays,
+                    # and so does what a name the file has last answered.
                     assert not (
                         old.discovered_by in pool.names and key[2] not in pool.urls
                     ), f"{key} dropped by a reload that keeps its entry"
+                    assert not (
+                        old.discovered_by is not None
+                        and key[2] not in pool.urls
+                        and any(
+                            key[2] in self.last_answer.get(n, ()) for n in pool.names
+                        )
+                    ), f"{key} dropped by a reload while a name it has answers it"
 
     @rule(i=st.none() | st.integers(min_value=0, max_value=50))
     def request_takes(self, i: int | None) -> None:
@@ -642,5 +663,37 @@ def test_an_address_two_names_of_a_pool_share_stays_while_either_has_it() -> Non
         machine.discovery_round({})
         assert machine.state.find(URLS[0], "decode") == [found]
         assert found.discovered_by == NAMES[0] and not found.drained
+    finally:
+        machine.teardown()
+
+
+def test_a_reload_dropping_the_name_that_found_an_address_hands_it_over() -> None:
+    """Moving a pool from one name to another: the reload that drops the
+    old name keeps the instance (health, ejection and requests) for the new
+    name, which last answered its address."""
+    machine = PoolChanges()
+    try:
+        machine.start(
+            FileSpec(
+                PoolSpec(frozenset(), frozenset({URLS[0]})),
+                PoolSpec(frozenset(NAMES), frozenset()),
+                health=False,
+            )
+        )
+        both = frozenset({ADDRESSES[0]})
+        machine.discovery_round({"a.kv.test": both, "b.kv.test": both})
+        (found,) = machine.state.find(URLS[0], "decode")
+        found.in_flight += 1
+        machine.held.append(found)
+        remaining = next(n for n in NAMES if n != found.discovered_by)
+        machine.reload(
+            FileSpec(
+                PoolSpec(frozenset(), frozenset({URLS[0]})),
+                PoolSpec(frozenset({remaining}), frozenset()),
+                health=False,
+            )
+        )
+        assert machine.state.find(URLS[0], "decode") == [found]
+        assert found.discovered_by == remaining and not found.removed
     finally:
         machine.teardown()
