@@ -16,6 +16,7 @@ from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
 from proxy.discovery import instance_url, split_dns_name
 from proxy.instances import Instance
 from proxy.testing import RunningProxy, running_proxy
+from tests.support.dns import resolved
 from tests.support.metrics import metric
 
 torch = pytest.importorskip("torch")
@@ -373,16 +374,7 @@ class _Resolver(AbstractResolver):
     ) -> list[ResolveResult]:
         if host == self.broken:
             raise UnicodeError("label empty or too long")
-        return [
-            ResolveResult(
-                hostname=host,
-                host="127.0.0.1",
-                port=port,
-                family=socket.AF_INET,
-                proto=0,
-                flags=0,
-            )
-        ]
+        return resolved(host, port, ["127.0.0.1"])
 
     async def close(self) -> None:
         pass

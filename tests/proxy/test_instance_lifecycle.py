@@ -20,6 +20,7 @@ from proxy_helpers import StubEngine, add_prefill, admin, make_config
 import proxy.discovery
 from proxy.config import load_config
 from proxy.testing import RunningProxy, running_proxy
+from tests.support.dns import resolved
 from tests.support.ports import free_port
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -35,17 +36,7 @@ class FakeDns(AbstractResolver):
     async def resolve(
         self, host: str, port: int = 0, family: int = socket.AF_INET
     ) -> list[ResolveResult]:
-        return [
-            ResolveResult(
-                hostname=host,
-                host=address,
-                port=port,
-                family=socket.AF_INET,
-                proto=0,
-                flags=0,
-            )
-            for address in self.records.get(host, [])
-        ]
+        return resolved(host, port, self.records.get(host, []))
 
     async def close(self) -> None:
         pass

@@ -40,6 +40,7 @@ from proxy.app import create_app
 from proxy.config import HealthConfig, load_config
 from proxy.instances import Instance, Key, Pool
 from proxy.state import STATE, ProxyState
+from tests.support.dns import resolved
 
 T = TypeVar("T")
 
@@ -125,17 +126,7 @@ class Resolver(AbstractResolver):
             await self.gate.wait()
         if found is None:
             raise OSError(f"no answer for {host}")
-        return [
-            ResolveResult(
-                hostname=host,
-                host=address,
-                port=port,
-                family=socket.AF_INET,
-                proto=0,
-                flags=0,
-            )
-            for address in sorted(found)
-        ]
+        return resolved(host, port, sorted(found))
 
     async def close(self) -> None:
         pass
