@@ -36,7 +36,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Not infinity or NaN: every float but a weight (bounded) is a duration,
+    # and aiohttp rounds its timers' deadlines with math.ceil, which an
+    # infinite one overflows (health.timeout_s: .inf stopped the start).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def normalize_url(value: str) -> str:
@@ -51,6 +54,12 @@ def normalize_url(value: str) -> str:
         raise ValueError(
             f"must be an http:// or https:// URL with a host, got {value!r}"
         )
+    if ":" in url.host:
+        # yarl takes anything in brackets; the URL it gives back would not parse.
+        try:
+            ipaddress.IPv6Address(url.host)
+        except ValueError:
+            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
     if url.query_string or url.fragment:
         raise ValueError(f"must not carry a query or fragment, got {value!r}")
     if url.user is not None or url.password is not None:
@@ -61,7 +70,9 @@ def normalize_url(value: str) -> str:
             f"is the server's base URL, without /v1 (the proxy adds the "
             f"OpenAI paths), got {value!r}"
         )
-    return str(url).rstrip("/")
+    # Parsed again: yarl lower-cases a host it IDNA-encodes only then, and a
+    # reload of this URL must give this URL.
+    return str(URL(str(url))).rstrip("/")
 
 
 def normalize_dns_name(value: str) -> str:
@@ -85,12 +96,16 @@ def normalize_dns_name(value: str) -> str:
     try:
         ipaddress.ip_address(url.host)
     except ValueError:
+        if ":" in url.host:  # yarl takes anything in brackets
+            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
         try:
             url.host.encode("idna")
         except UnicodeError:
             # An empty or over-long label: no resolver can look it up.
             raise ValueError(f"not a valid host name: {value!r}") from None
-    return f"{url.host.lower()}:{url.explicit_port}"
+    host, port = url.host.lower(), url.explicit_port
+    # An IPv6 literal keeps its brackets: the result reads back as it is.
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _nameserver(value: str) -> str:
@@ -108,8 +123,14 @@ def _nameserver(value: str) -> str:
     elif value.count(":") == 1:
         host, port = value.split(":")
     try:
-        ipaddress.ip_address(host)
-        if port is not None and not 0 < int(port) < 65536:
+        address = ipaddress.ip_address(host)
+        # c-ares refuses (or drops) what int() and ip_address() let through:
+        # " 53", "5_3", non-ASCII digits, a scope id such as %eth0.
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+            raise ValueError
+        if port is not None and not (
+            port.isascii() and port.isdigit() and 0 < int(port) < 65536
+        ):
             raise ValueError
     except ValueError:
         raise ValueError(
@@ -131,7 +152,11 @@ class InstanceConfig(_Strict):
         "discovery.interval_s (a headless Kubernetes Service, Consul DNS, Compose)",
     )
     weight: float = Field(
-        default=1.0, gt=0, le=1e6, description="Relative share of traffic"
+        default=1.0,
+        gt=0,
+        le=1e6,
+        allow_inf_nan=True,  # its bounds say what is wrong with .inf
+        description="Relative share of traffic",
     )
     api_key_env: str | None = Field(
         default=None,
@@ -191,6 +216,14 @@ class ModelConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        # The socket calls raise ValueError, not OSError, on a NUL.
+        if "\x00" in value:
+            raise ValueError(f"not a host name or address: {value!r}")
+        return value
 
 
 class RetryConfig(_Strict):
@@ -283,7 +316,13 @@ class DiscoveryConfig(_Strict):
     """
 
     interval_s: float = Field(default=10.0, gt=0, description="Re-resolve period")
-    timeout_s: float = Field(default=2.0, gt=0, description="One lookup's limit")
+    timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        # c-ares takes it in milliseconds, as a C int: above, no resolver.
+        le=(2**31 - 1) // 1000,
+        description="One lookup's limit",
+    )
     nameservers: list[str] | None = Field(
         default=None,
         description='DNS servers to ask, e.g. ["10.96.0.10", "127.0.0.1:5353"]; '
@@ -458,6 +497,9 @@ def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+    except RecursionError:
+        # PyYAML composes nested collections recursively.
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
@@ -490,6 +532,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, with the errors its scalar constructors let through (a
+        date such as 2001-02-30, ``!!int abc``, ``!!bool x``) as YAML errors
+        that point at the node."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except yaml.YAMLError:
+            raise
+        except Exception as exc:
+            kind = node.tag.rsplit(":", 1)[-1]
+            why = f": {exc}" if isinstance(exc, ValueError) else ""
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"cannot read {node.value!r} as a {kind}{why}",
+                node.start_mark,
+            ) from exc
 
 
 def with_overrides(
@@ -524,6 +584,8 @@ def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(f"{path!r}: cannot read: {exc}") from exc
     return parse_config(text, str(path))
 
 
@@ -572,6 +634,8 @@ def read_secret(env: str | None, file: str | None, what: str) -> list[str]:
             raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from exc
         except UnicodeDecodeError:
             raise ConfigError(f"{what}: {file} is not UTF-8 text") from None
+        except ValueError as exc:  # a NUL in the path
+            raise ConfigError(f"{what}: cannot read {file!r}: {exc}") from None
         for line in text.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
