@@ -197,8 +197,13 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    if args.torch_threads < 1:
-        parser.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
+    # Checked here: binding raised OverflowError, torch ValueError.
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    if not 1 <= args.torch_threads < 2**31:
+        parser.error(
+            f"--torch-threads must be in 1..{2**31 - 1}, got {args.torch_threads}"
+        )
     torch.set_num_threads(args.torch_threads)
     try:
         import uvloop
