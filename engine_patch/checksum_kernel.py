@@ -439,9 +439,12 @@ def compile_failed(error: BaseException) -> None:
     global _compile_failed
     with _compile_lock:
         if not _compile_failed:
+            # With its traceback: the error alone rarely says which of
+            # export, inductor or the C++ build failed.
             logger.warning(
                 "torch.compile of the KV checksum kernel failed; using eager "
                 "kernels (same values, slower): %s",
                 error,
+                exc_info=error,
             )
         _compile_failed = True
