@@ -271,7 +271,7 @@ class Discovery:
             inst = Instance(url, pool.role, model, entry.weight, key)
             inst.discovered_by = entry.dns
             # Out of rotation until a health probe passes.
-            inst.healthy = False
+            inst.healthy = inst.admitted = False
             inst.drained = inst.key in self._drained
             added.append(inst)
             log.warning(

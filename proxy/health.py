@@ -10,7 +10,8 @@ instance ejected for integrity failures returns only after its cooldown
 *and* a passing probe.
 An instance is probed before it takes traffic: at startup, before the proxy
 listens; added to a serving proxy (admin API, reload), before it joins. It
-takes traffic only once a probe passes, as a new DNS address does.
+takes traffic only once a probe passes, as a new DNS address does: one
+pass, however many probes it failed before (still loading its model, say).
 After each passing probe of a decode its ``/v1/models`` is read too, for
 the context length the flow checks output budgets against.
 """
@@ -87,9 +88,10 @@ class Health:
             return
         inst.consecutive_failures = 0
         inst.consecutive_successes += 1
-        if not inst.healthy and inst.consecutive_successes >= cfg.healthy_threshold:
-            inst.healthy = True
-            log.warning("%s %s healthy again", inst.role, inst.url)
+        needed = cfg.healthy_threshold if inst.admitted else 1
+        if not inst.healthy and inst.consecutive_successes >= needed:
+            inst.healthy = inst.admitted = True
+            log.warning("%s %s healthy", inst.role, inst.url)
         if inst.ejected and time.monotonic() >= inst.ejected_until:
             inst.ejected_until = 0.0
             log.warning(
@@ -122,14 +124,12 @@ class Health:
     ) -> bool:
         """Probes ``inst``, a new instance out of rotation, now and applies
         the result: one pass admits it (``healthy_threshold`` counts the
-        passes that bring a failed instance *back*), unless a failure was
+        passes that bring an admitted instance *back*), unless a failure was
         noted on it since the probe was sent."""
         started = time.monotonic()
         ok = await self.probe(inst.url, inst.headers, cfg)
         self._probed(inst, ok, started, cfg)
         if ok:
-            if inst.failed_at < started:
-                inst.healthy = True
             await self.read_context_lens([inst], cfg)
         return ok
 
@@ -147,7 +147,7 @@ class Health:
         if not cfg.enabled:
             return
         for inst in joining:
-            inst.healthy = False
+            inst.healthy = inst.admitted = False
         await asyncio.gather(*(self.probe_instance(i, cfg) for i in joining))
 
     async def check_all(self) -> None:

@@ -23,6 +23,7 @@ class Instance:
 
     __slots__ = (
         "abort_url",
+        "admitted",
         "api_key",
         "consecutive_failures",
         "consecutive_successes",
@@ -68,6 +69,9 @@ class Instance:
         self.set_api_key(api_key)
         self.in_flight = 0
         self.healthy = True
+        # Once in rotation, healthy_threshold passes bring it back from a
+        # failure; one that never was (probed as it joins) needs one pass.
+        self.admitted = True
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.failed_at = 0.0  # monotonic time of the last failure noted
