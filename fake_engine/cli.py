@@ -25,6 +25,9 @@ from fake_engine.server import EngineServer
 
 logger = get_logger("fake_engine")
 
+# More intra-op threads than any CPU here has cores; each is an OS thread.
+MAX_TORCH_THREADS = 1024
+
 
 def _on_off(value: str) -> bool:
     if value not in ("on", "off"):
@@ -197,12 +200,14 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    # Checked here: binding raised OverflowError, torch ValueError.
+    # Checked here: binding raised OverflowError, torch ValueError, and a
+    # million threads took the machine's thread limit (then a segfault).
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
-    if not 1 <= args.torch_threads < 2**31:
+    if not 1 <= args.torch_threads <= MAX_TORCH_THREADS:
         parser.error(
-            f"--torch-threads must be in 1..{2**31 - 1}, got {args.torch_threads}"
+            f"--torch-threads must be in 1..{MAX_TORCH_THREADS}, "
+            f"got {args.torch_threads}"
         )
     torch.set_num_threads(args.torch_threads)
     try:

@@ -141,7 +141,12 @@ def test_a_fault_is_a_value_error_naming_the_setting_or_usable(
 @pytest.mark.parametrize(
     "argv",
     # Binding raised OverflowError; torch.set_num_threads ValueError.
-    [["--port=70000"], ["--port=-1"], ["--torch-threads=2147483648"]],
+    [
+        ["--port=70000"],
+        ["--port=-1"],
+        ["--torch-threads=2147483648"],
+        ["--torch-threads=1000000"],
+    ],
 )
 def test_a_port_or_thread_count_out_of_range_is_a_usage_error(
     argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
