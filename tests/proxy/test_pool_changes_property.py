@@ -12,12 +12,13 @@ to the proxy on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -630,61 +631,59 @@ def test_dns_admin_and_reloads_keep_the_documented_pool_rules() -> None:
     run_state_machine_as_test(PoolChanges, settings=SETTINGS)
 
 
+def decodes_by_dns(names: frozenset[str]) -> FileSpec:
+    """A prefill by ``url:``, decodes found by ``names``, health checks off."""
+    return FileSpec(
+        PoolSpec(frozenset(), frozenset({URLS[0]})),
+        PoolSpec(names, frozenset()),
+        health=False,
+    )
+
+
+@contextlib.contextmanager
+def started(spec: FileSpec) -> Iterator[PoolChanges]:
+    """The machine, started on ``spec``, for a replayed story."""
+    machine = PoolChanges()
+    try:
+        machine.start(spec)
+        yield machine
+    finally:
+        machine.teardown()
+
+
+def hold(machine: PoolChanges, inst: Instance) -> None:
+    """A request takes ``inst``, as the flow does."""
+    inst.in_flight += 1
+    machine.held.append(inst)
+
+
 def test_an_address_two_names_of_a_pool_share_stays_while_either_has_it() -> None:
     """The machine's first find: the name that found an address dropped it
     while the pool's other name still had it. It was drained and reaped in
     that round, and the next one added it back as a new instance (out of
     rotation until probed, its live state lost)."""
-    machine = PoolChanges()
-    try:
-        machine.start(
-            FileSpec(
-                PoolSpec(frozenset(), frozenset({URLS[0]})),
-                PoolSpec(frozenset(NAMES), frozenset()),
-                health=False,
-            )
-        )
+    with started(decodes_by_dns(frozenset(NAMES))) as machine:
         machine.discovery_round({"b.kv.test": frozenset({ADDRESSES[0]})})
         (found,) = machine.state.find(URLS[0], "decode")
-        found.in_flight += 1
-        machine.held.append(found)
+        hold(machine, found)
         moved = {"b.kv.test": frozenset(), "a.kv.test": frozenset({ADDRESSES[0]})}
         machine.discovery_round(moved)
         machine.request_finishes(0)
         machine.discovery_round({})
         assert machine.state.find(URLS[0], "decode") == [found]
         assert found.discovered_by == NAMES[0] and not found.drained
-    finally:
-        machine.teardown()
 
 
 def test_a_reload_dropping_the_name_that_found_an_address_hands_it_over() -> None:
     """Moving a pool from one name to another: the reload that drops the
     old name keeps the instance (health, ejection and requests) for the new
     name, which last answered its address."""
-    machine = PoolChanges()
-    try:
-        machine.start(
-            FileSpec(
-                PoolSpec(frozenset(), frozenset({URLS[0]})),
-                PoolSpec(frozenset(NAMES), frozenset()),
-                health=False,
-            )
-        )
+    with started(decodes_by_dns(frozenset(NAMES))) as machine:
         both = frozenset({ADDRESSES[0]})
         machine.discovery_round({"a.kv.test": both, "b.kv.test": both})
         (found,) = machine.state.find(URLS[0], "decode")
-        found.in_flight += 1
-        machine.held.append(found)
+        hold(machine, found)
         remaining = next(n for n in NAMES if n != found.discovered_by)
-        machine.reload(
-            FileSpec(
-                PoolSpec(frozenset(), frozenset({URLS[0]})),
-                PoolSpec(frozenset({remaining}), frozenset()),
-                health=False,
-            )
-        )
+        machine.reload(decodes_by_dns(frozenset({remaining})))
         assert machine.state.find(URLS[0], "decode") == [found]
         assert found.discovered_by == remaining and not found.removed
-    finally:
-        machine.teardown()
