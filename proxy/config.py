@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,40 @@ class _Strict(BaseModel):
     # and aiohttp rounds its timers' deadlines with math.ceil, which an
     # infinite one overflows (health.timeout_s: .inf stopped the start).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_characters(cls, data: Any) -> Any:
+        return _joined_surrogates(data)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _joined_surrogates(value: Any) -> Any:
+    """``value`` with the UTF-16 surrogate pairs in its strings joined.
+
+    YAML's and JSON's ``\\u`` escapes write a character outside the BMP as a
+    pair, which PyYAML leaves split (a config written by ``json.dumps``
+    names a model ``"m\\ud83d\\ude00"``); no UTF-8 answer can carry one.
+
+    Raises:
+        ValueError: A string holds a lone surrogate.
+    """
+    if isinstance(value, str):
+        if _SURROGATE.search(value) is None:
+            return value
+        try:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"{value!r} holds a lone UTF-16 surrogate: not text"
+            ) from None
+    if isinstance(value, dict):
+        return {_joined_surrogates(k): _joined_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_joined_surrogates(v) for v in value]
+    return value
 
 
 def normalize_url(value: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -550,6 +551,31 @@ models:
 def test_an_infinite_duration_is_a_config_error(section: str, field: str) -> None:
     with pytest.raises(ConfigError, match=rf"{section}\.{field}: .*finite"):
         parse_config(MODELS + f"{section}:\n  {field}: .inf\n", "x.yaml")
+
+
+def test_a_model_name_json_wrote_as_a_surrogate_pair_is_the_character() -> None:
+    # json.dumps (ensure_ascii) writes an emoji as two \\u escapes, which
+    # PyYAML kept as two lone surrogates: /metrics, /status and /v1/models
+    # then answered 500, unable to encode the name.
+    text = json.dumps(
+        {
+            "models": {
+                "m\U0001f600": {
+                    "prefill": {"instances": [{"url": "http://p:8100"}]},
+                    "decode": {"instances": [{"url": "http://d:8200"}]},
+                }
+            }
+        }
+    )
+    assert "\\ud83d\\ude00" in text
+    assert list(parse_config(text, "x.json").models) == ["m\U0001f600"]
+
+
+def test_a_lone_surrogate_anywhere_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="lone UTF-16 surrogate"):
+        parse_config(MODELS.replace("  m:", '  "m\\ud800":'), "x.yaml")
+    with pytest.raises(ConfigError, match="lone UTF-16 surrogate"):
+        parse_config(MODELS + 'server:\n  host: "h\\udfff"\n', "x.yaml")
 
 
 @pytest.mark.parametrize(
