@@ -54,6 +54,10 @@ class _Invalid(Exception):
     pass
 
 
+# The largest weight, as the configuration bounds it (InstanceConfig.weight):
+# routing adds weights up, and power_of_two raises on an infinite total.
+MAX_WEIGHT = 1e6
+
 # The only variables an admin may name: the API must not send any secret of
 # the proxy's environment (its admin key, say) to a URL the admin picks.
 BACKEND_KEY_PREFIX = "KVGUARD_BACKEND_KEY_"
@@ -164,8 +168,8 @@ async def _add(state: ProxyState, request: web.Request) -> web.Response:
         url = normalize_url(spec.url)
     except ValueError as exc:
         raise _Invalid(f"url {exc}") from None
-    if spec.weight <= 0:
-        raise _Invalid("weight must be > 0")
+    if not 0 < spec.weight <= MAX_WEIGHT:
+        raise _Invalid(f"weight must be > 0 and <= {MAX_WEIGHT:g}")
     model = spec.model
     if model is None:
         if len(state.models) != 1:
