@@ -50,6 +50,7 @@ from proxy.config import ProxyConfig, normalize_url
 from proxy.instances import Instance
 from proxy.state import ProxyState
 from proxy.testing import RunningProxy, running_proxy
+from tests.support.dns import resolved
 
 T = TypeVar("T")
 
@@ -83,17 +84,7 @@ class StubResolver(AbstractResolver):
         found = self.records.get(host)
         if not found:
             raise OSError(f"no answer for {host}")
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
-                proto=0,
-                flags=0,
-            )
-            for a in found
-        ]
+        return resolved(host, port, found)
 
     async def close(self) -> None:
         pass

@@ -9,13 +9,14 @@ from aiohttp.abc import ResolveResult
 
 
 def resolved(host: str, port: int, addresses: Iterable[str]) -> list[ResolveResult]:
-    """``host``'s IPv4 ``addresses`` as an aiohttp resolver returns them."""
+    """``host``'s ``addresses`` (IPv4 or IPv6) as an aiohttp resolver
+    returns them."""
     return [
         ResolveResult(
             hostname=host,
             host=address,
             port=port,
-            family=socket.AF_INET,
+            family=socket.AF_INET6 if ":" in address else socket.AF_INET,
             proto=0,
             flags=0,
         )
