@@ -69,10 +69,29 @@ def come_back(instances: Sequence[Instance], now: float) -> None:
             inst.ejected_until = 0.0
 
 
+class Fleet(RuleBasedStateMachine):
+    """A tracker on a hand-advanced clock over a small fleet; its
+    instances' cooldowns end as a passing probe ends them."""
+
+    def build(self, config: EjectionConfig, n_prefills: int, n_decodes: int) -> None:
+        self.clock = Clock()
+        self.config = config
+        self.tracker = IntegrityTracker(config, self.clock)
+        self.prefills = [instance("prefill") for _ in range(n_prefills)]
+        self.decodes = [instance("decode") for _ in range(n_decodes)]
+
+    def everyone(self) -> list[Instance]:
+        return self.prefills + self.decodes
+
+    @rule()
+    def cooldowns_end(self) -> None:
+        come_back(self.everyone(), self.clock.now)
+
+
 # ------------------------------------------------------- tracker bookkeeping
 
 
-class TrackerBookkeeping(RuleBasedStateMachine):
+class TrackerBookkeeping(Fleet):
     """Arbitrary loads, failures, removals and clock advances on a small fleet.
 
     Checks the tracker's internal records against what its events imply;
@@ -98,22 +117,16 @@ class TrackerBookkeeping(RuleBasedStateMachine):
         n_prefills: int,
         n_decodes: int,
     ) -> None:
-        self.clock = Clock()
-        self.config = EjectionConfig(
+        config = EjectionConfig(
             enabled=enabled,
             window_s=window,
             instance_failures=instance_failures,
             pair_failures=pair_failures,
             cooldown_s=cooldown,
         )
-        self.tracker = IntegrityTracker(self.config, self.clock)
         # Every instance ever made, removed ones included: requests outlive them.
-        self.prefills = [instance("prefill") for _ in range(n_prefills)]
-        self.decodes = [instance("decode") for _ in range(n_decodes)]
+        self.build(config, n_prefills, n_decodes)
         self.last_failure: float | None = None
-
-    def everyone(self) -> list[Instance]:
-        return self.prefills + self.decodes
 
     # Bursts reach the thresholds (and the clean counts that clear) sooner.
     @rule(
@@ -152,10 +165,6 @@ class TrackerBookkeeping(RuleBasedStateMachine):
     @rule(fraction=st.sampled_from([0.1, 0.5, 0.99, 1.0, 1.01, 2.5]))
     def advance(self, fraction: float) -> None:
         self.clock.now += fraction * self.config.window_s
-
-    @rule()
-    def cooldowns_end(self) -> None:
-        come_back(self.everyone(), self.clock.now)
 
     @rule(which=st.integers(0, 9), replace=st.booleans())
     def remove(self, which: int, replace: bool) -> None:
@@ -233,7 +242,7 @@ TestTrackerBookkeepingStaysConsistent.settings = _STATEFUL
 # ------------------------------------------------------- deterministic faults
 
 
-class DeterministicFaults(RuleBasedStateMachine):
+class DeterministicFaults(Fleet):
     """At most one faulty instance per pool; a load fails iff it touches one.
 
     Then a healthy instance fails only with its one faulty partner, and the
@@ -259,25 +268,19 @@ class DeterministicFaults(RuleBasedStateMachine):
         pair_failures: int,
         cooldown: float,
     ) -> None:
-        self.clock = Clock()
-        self.config = EjectionConfig(
+        config = EjectionConfig(
             window_s=60.0,
             instance_failures=instance_failures,
             pair_failures=pair_failures,
             cooldown_s=cooldown,
         )
-        self.tracker = IntegrityTracker(self.config, self.clock)
-        self.prefills = [instance("prefill") for _ in range(n_prefills)]
-        self.decodes = [instance("decode") for _ in range(n_decodes)]
+        self.build(config, n_prefills, n_decodes)
         self.faulty: set[Instance] = set()
         if faulty in ("prefill", "both"):
             self.faulty.add(self.prefills[0])
         if faulty in ("decode", "both"):
             self.faulty.add(self.decodes[0])
         self.lone = n_prefills == n_decodes == 1
-
-    def everyone(self) -> list[Instance]:
-        return self.prefills + self.decodes
 
     # A burst of loads on one pair builds the clean counts that clear a partner.
     @rule(p=st.integers(0, 2), d=st.integers(0, 2), times=st.sampled_from([1, 1, 15]))
@@ -295,10 +298,6 @@ class DeterministicFaults(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([1.0, 10.0, 31.0, 61.0]))
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
-
-    @rule()
-    def cooldowns_end(self) -> None:
-        come_back(self.everyone(), self.clock.now)
 
     @invariant()
     def a_healthy_instance_is_never_blamed_nor_ejected(self) -> None:
