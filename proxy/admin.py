@@ -25,7 +25,7 @@ import msgspec
 from aiohttp import web
 
 from proxy.auth import bearer
-from proxy.config import ConfigError, Role, normalize_url, read_secret
+from proxy.config import MAX_WEIGHT, ConfigError, Role, normalize_url, read_secret
 from proxy.errors import error_response
 from proxy.instances import Instance, Pool
 from proxy.server import json_route
@@ -53,10 +53,6 @@ class _Add(msgspec.Struct, forbid_unknown_fields=True):
 class _Invalid(Exception):
     pass
 
-
-# The largest weight, as the configuration bounds it (InstanceConfig.weight):
-# routing adds weights up, and power_of_two raises on an infinite total.
-MAX_WEIGHT = 1e6
 
 # The only variables an admin may name: the API must not send any secret of
 # the proxy's environment (its admin key, say) to a URL the admin picks.

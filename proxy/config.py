@@ -174,6 +174,11 @@ def _nameserver(value: str) -> str:
     return value
 
 
+# Routing adds weights up: power_of_two's weighted draw raises on an
+# infinite total.
+MAX_WEIGHT = 1e6
+
+
 class InstanceConfig(_Strict):
     """One backend instance (``url``), or every address a DNS name has (``dns``)."""
 
@@ -189,7 +194,7 @@ class InstanceConfig(_Strict):
     weight: float = Field(
         default=1.0,
         gt=0,
-        le=1e6,
+        le=MAX_WEIGHT,
         allow_inf_nan=True,  # its bounds say what is wrong with .inf
         description="Relative share of traffic",
     )
