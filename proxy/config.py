@@ -77,6 +77,20 @@ def _joined_surrogates(value: Any) -> Any:
     return value
 
 
+def _check_bracketed(host: str, value: str) -> None:
+    """yarl takes anything in brackets as a host; the URL it gives back
+    would not parse unless it is an IPv6 address.
+
+    Raises:
+        ValueError: ``host`` (of ``value``) holds a colon and is no IPv6 address.
+    """
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
+
+
 def normalize_url(value: str) -> str:
     """Returns a backend base URL without a trailing slash.
 
@@ -89,12 +103,7 @@ def normalize_url(value: str) -> str:
         raise ValueError(
             f"must be an http:// or https:// URL with a host, got {value!r}"
         )
-    if ":" in url.host:
-        # yarl takes anything in brackets; the URL it gives back would not parse.
-        try:
-            ipaddress.IPv6Address(url.host)
-        except ValueError:
-            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
+    _check_bracketed(url.host, value)
     if url.query_string or url.fragment:
         raise ValueError(f"must not carry a query or fragment, got {value!r}")
     if url.user is not None or url.password is not None:
@@ -128,11 +137,10 @@ def normalize_dns_name(value: str) -> str:
         or url.fragment
     ):
         raise ValueError(f"must be host:port, e.g. prefill.kv.svc:8100, got {value!r}")
+    _check_bracketed(url.host, value)
     try:
         ipaddress.ip_address(url.host)
     except ValueError:
-        if ":" in url.host:  # yarl takes anything in brackets
-            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
         try:
             url.host.encode("idna")
         except UnicodeError:
