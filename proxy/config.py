@@ -51,12 +51,15 @@ class _Strict(BaseModel):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _joined_surrogates(value: Any) -> Any:
+def _joined_surrogates(value: Any, done: dict[int, Any] | None = None) -> Any:
     """``value`` with the UTF-16 surrogate pairs in its strings joined.
 
     YAML's and JSON's ``\\u`` escapes write a character outside the BMP as a
     pair, which PyYAML leaves split (a config written by ``json.dumps``
     names a model ``"m\\ud83d\\ude00"``); no UTF-8 answer can carry one.
+    ``done`` maps the containers copied so far to their copies, so a YAML
+    alias shared or nested in itself (``&a [*a]``) stays one: pydantic then
+    refuses the cycle instead of this recursing without end.
 
     Raises:
         ValueError: A string holds a lone surrogate.
@@ -70,11 +73,21 @@ def _joined_surrogates(value: Any) -> Any:
             raise ValueError(
                 f"{value!r} holds a lone UTF-16 surrogate: not text"
             ) from None
-    if isinstance(value, dict):
-        return {_joined_surrogates(k): _joined_surrogates(v) for k, v in value.items()}
+    if not isinstance(value, dict | list):
+        return value
+    done = {} if done is None else done
+    if id(value) in done:
+        return done[id(value)]
     if isinstance(value, list):
-        return [_joined_surrogates(v) for v in value]
-    return value
+        items: list[Any] = []
+        done[id(value)] = items
+        items.extend(_joined_surrogates(v, done) for v in value)
+        return items
+    mapping: dict[Any, Any] = {}
+    done[id(value)] = mapping
+    for k, v in value.items():
+        mapping[_joined_surrogates(k, done)] = _joined_surrogates(v, done)
+    return mapping
 
 
 def _check_bracketed(host: str, value: str) -> None:
@@ -554,6 +567,9 @@ def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
         return ProxyConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source, root)) from exc
+    except RecursionError:
+        # Nesting PyYAML composes, under the frames validation adds.
+        raise ConfigError(f"{source}: nested too deeply") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -578,6 +578,24 @@ def test_a_lone_surrogate_anywhere_is_a_config_error() -> None:
         parse_config(MODELS + 'server:\n  host: "h\\udfff"\n', "x.yaml")
 
 
+@pytest.mark.parametrize("alias", ["&a [*a]", "&a {k: *a}", "&a [1, {k: [*a]}]"])
+def test_a_yaml_alias_nested_in_itself_is_a_config_error(alias: str) -> None:
+    # Joining surrogate pairs walked the cycle until RecursionError.
+    with pytest.raises(ConfigError, match=r"models\.m\.x: unknown field"):
+        parse_config(MODELS + f"    x: {alias}\n", "x.yaml")
+
+
+def test_nesting_yaml_composes_but_validation_cannot_is_a_config_error() -> None:
+    # PyYAML composed ~450 levels that validation then overflowed on.
+    messages = []
+    for depth in range(300, 620, 20):
+        with pytest.raises(ConfigError) as info:
+            parse_config(MODELS + "    x: " + "[" * depth + "]" * depth, "x.yaml")
+        messages.append(str(info.value))
+    assert "x.yaml: nested too deeply" in messages
+    assert "x.yaml: invalid YAML: nested too deeply" in messages
+
+
 @pytest.mark.parametrize(
     "nameserver",
     # int() and ip_address() took them; c-ares refused them (AresError,
