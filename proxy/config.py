@@ -104,6 +104,38 @@ def _check_bracketed(host: str, value: str) -> None:
             raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
 
 
+# What a resolver can look up, in the ASCII (IDNA) form: letters, digits,
+# hyphens and dots, and the underscores some service names carry.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_host(url: URL, value: str) -> None:
+    """Checks the host of ``url`` (parsed from ``value``) is an IP address or
+    a name a resolver can look up: yarl takes a space, or a character whose
+    compatibility form starts with one (an acute accent), and gives back a
+    host that reads back differently.
+
+    Raises:
+        ValueError: a bracketed host that is no IPv6 address, or a host name
+            with other characters, an empty or an over-long label.
+    """
+    host = url.host or ""
+    _check_bracketed(host, value)
+    if ":" in host:
+        return
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"not a valid host name: {value!r}") from None
+    if _HOST_NAME.fullmatch(url.raw_host or "") is None:
+        raise ValueError(f"not a valid host name: {value!r}")
+
+
 def normalize_url(value: str) -> str:
     """Returns a backend base URL without a trailing slash.
 
@@ -116,7 +148,7 @@ def normalize_url(value: str) -> str:
         raise ValueError(
             f"must be an http:// or https:// URL with a host, got {value!r}"
         )
-    _check_bracketed(url.host, value)
+    _check_host(url, value)
     if url.query_string or url.fragment:
         raise ValueError(f"must not carry a query or fragment, got {value!r}")
     if url.user is not None or url.password is not None:
@@ -150,15 +182,7 @@ def normalize_dns_name(value: str) -> str:
         or url.fragment
     ):
         raise ValueError(f"must be host:port, e.g. prefill.kv.svc:8100, got {value!r}")
-    _check_bracketed(url.host, value)
-    try:
-        ipaddress.ip_address(url.host)
-    except ValueError:
-        try:
-            url.host.encode("idna")
-        except UnicodeError:
-            # An empty or over-long label: no resolver can look it up.
-            raise ValueError(f"not a valid host name: {value!r}") from None
+    _check_host(url, value)
     host, port = url.host.lower(), url.explicit_port
     # An IPv6 literal keeps its brackets: the result reads back as it is.
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

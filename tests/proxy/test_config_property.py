@@ -578,6 +578,19 @@ def test_a_lone_surrogate_anywhere_is_a_config_error() -> None:
         parse_config(MODELS + 'server:\n  host: "h\\udfff"\n', "x.yaml")
 
 
+@pytest.mark.parametrize("host", ["a b", "x\u2003y", "\u00b4", "a%20b"])
+@pytest.mark.parametrize("field", ["url", "dns"])
+def test_a_host_with_a_space_or_one_in_its_normal_form_is_a_config_error(
+    host: str, field: str
+) -> None:
+    # yarl took them; "\u00b4" (an acute accent) became " \u0301", which
+    # the next reload read back without its space: another instance.
+    value = f"http://{host}:8100" if field == "url" else f"{host}:8100"
+    text = MODELS.replace('{url: "http://p:8100"}', f"{{{field}: {json.dumps(value)}}}")
+    with pytest.raises(ConfigError, match="not a valid host name"):
+        parse_config(text, "x.yaml")
+
+
 @pytest.mark.parametrize("alias", ["&a [*a]", "&a {k: *a}", "&a [1, {k: [*a]}]"])
 def test_a_yaml_alias_nested_in_itself_is_a_config_error(alias: str) -> None:
     # Joining surrogate pairs walked the cycle until RecursionError.
