@@ -86,8 +86,12 @@ class FaultConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"fault rate must be in [0, 1], got {self.rate}")
-        if self.count is not None and self.count < 0:
-            raise ValueError(f"fault count must be >= 0, got {self.count}")
+        if self.count is not None and not (
+            isinstance(self.count, int) and self.count >= 0
+        ):
+            raise ValueError(
+                f"fault count must be a whole number >= 0, got {self.count}"
+            )
         if not self.delay_s >= 0.0:
             raise ValueError(f"fault delay must be >= 0, got {self.delay_s}")
 

@@ -159,3 +159,10 @@ def test_a_port_or_thread_count_out_of_range_is_a_usage_error(
         cli.main(argv)
     assert info.value.code == 2
     assert argv[0].split("=")[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", [math.nan, 1.5, -1, "3"])
+def test_a_fault_count_that_is_no_whole_number_is_a_value_error(count: Any) -> None:
+    # NaN passed ``count < 0`` and injected the fault without end.
+    with pytest.raises(ValueError, match="fault count must be a whole number"):
+        FaultConfig(count=count)
