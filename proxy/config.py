@@ -51,43 +51,56 @@ class _Strict(BaseModel):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _joined_surrogates(value: Any, done: dict[int, Any] | None = None) -> Any:
+def _joined_surrogates(value: Any) -> Any:
     """``value`` with the UTF-16 surrogate pairs in its strings joined.
 
     YAML's and JSON's ``\\u`` escapes write a character outside the BMP as a
     pair, which PyYAML leaves split (a config written by ``json.dumps``
     names a model ``"m\\ud83d\\ude00"``); no UTF-8 answer can carry one.
-    ``done`` maps the containers copied so far to their copies, so a YAML
-    alias shared or nested in itself (``&a [*a]``) stays one: pydantic then
-    refuses the cycle instead of this recursing without end.
+    Containers are copied without recursion, once each: nesting as deep as
+    PyYAML composes cannot overflow the stack, and a YAML alias nested in
+    itself (``&a [*a]``) stays a cycle, which pydantic refuses.
 
     Raises:
         ValueError: A string holds a lone surrogate.
     """
-    if isinstance(value, str):
-        if _SURROGATE.search(value) is None:
-            return value
-        try:
-            return value.encode("utf-16", "surrogatepass").decode("utf-16")
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"{value!r} holds a lone UTF-16 surrogate: not text"
-            ) from None
-    if not isinstance(value, dict | list):
-        return value
-    done = {} if done is None else done
-    if id(value) in done:
-        return done[id(value)]
-    if isinstance(value, list):
-        items: list[Any] = []
-        done[id(value)] = items
-        items.extend(_joined_surrogates(v, done) for v in value)
-        return items
-    mapping: dict[Any, Any] = {}
-    done[id(value)] = mapping
-    for k, v in value.items():
-        mapping[_joined_surrogates(k, done)] = _joined_surrogates(v, done)
-    return mapping
+    copies: dict[int, Any] = {}
+    to_fill: list[Any] = []
+
+    def copied(item: Any) -> Any:
+        if isinstance(item, str):
+            return _joined(item)
+        if not isinstance(item, dict | list):
+            return item
+        copy = copies.get(id(item))
+        if copy is None:
+            copy = copies[id(item)] = [] if isinstance(item, list) else {}
+            to_fill.append(item)
+        return copy
+
+    result = copied(value)
+    while to_fill:
+        item = to_fill.pop()
+        copy = copies[id(item)]
+        if isinstance(item, list):
+            copy.extend(copied(v) for v in item)
+        else:
+            copy.update((copied(k), copied(v)) for k, v in item.items())
+    return result
+
+
+def _joined(text: str) -> str:
+    """``text`` with its surrogate pairs joined.
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate.
+    """
+    if _SURROGATE.search(text) is None:
+        return text
+    try:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        raise ValueError(f"{text!r} holds a lone UTF-16 surrogate: not text") from None
 
 
 def _check_bracketed(host: str, value: str) -> None:
@@ -591,9 +604,6 @@ def parse_config(text: str, source: str = "<config>") -> ProxyConfig:
         return ProxyConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source, root)) from exc
-    except RecursionError:
-        # Nesting PyYAML composes, under the frames validation adds.
-        raise ConfigError(f"{source}: nested too deeply") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
