@@ -177,6 +177,28 @@ def test_a_payload_naming_a_group_twice_raises_value_error(
         )
 
 
+@FUZZ
+@given(valid_payloads.filter(lambda p: p.groups), st.data())
+def test_a_field_out_of_its_range_raises_value_error(
+    payload: KVChecksumPayload, data: st.DataObject
+) -> None:
+    message = msgspec.msgpack.decode(payload.to_bytes())
+    # TP size, token count; the first group's fingerprint, span, first span.
+    out_of_range = [
+        ([1], 0),
+        ([1], -2),
+        ([2], -1),
+        ([3, 0, 1], -1),
+        ([3, 0, 2], 0),
+        ([3, 0, 3], -1),
+    ]
+    path, wrong = data.draw(st.sampled_from(out_of_range))
+    with pytest.raises(ValueError, match="invalid KV checksums: bad"):
+        KVChecksumPayload.from_bytes(
+            msgspec.msgpack.encode(_replace(message, path, wrong))
+        )
+
+
 # --- The scheduler never raises on a payload ----------------------------------
 
 CONFIG = KVCacheConfig(
