@@ -135,6 +135,23 @@ def test_offloaded_load_after_a_prefix_hit_uses_the_hashes_of_its_positions() ->
     assert consumer.stats.verified == 1
 
 
+def test_a_corrupted_offloaded_block_after_a_prefix_hit_is_named_by_its_position() -> (
+    None
+):
+    values = token_values(RNG, 2)
+    block_hashes = hashes(4)
+    loaded = values.copy()
+    loaded[1] ^= np.uint64(1 << 5)
+    consumer = offload_reload(
+        stored_values(values, block_hashes[2:]),
+        loaded,
+        block_hashes=block_hashes,
+        num_local_tokens=32,
+    )
+    # The request's block 3: the second loaded after two cached ones.
+    assert consumer.connector.failures == [("o", {0: [3]})]
+
+
 def test_offloaded_load_with_finer_block_hashes_uses_each_blocks_last_hash() -> None:
     values = token_values(RNG, 2)
     # Hashes per 8 tokens: block b's identity is hash 2b + 1.

@@ -107,6 +107,20 @@ def test_requests_without_do_remote_decode_are_not_checksummed() -> None:
     assert scheduler.build_checksum_meta() is None
 
 
+def test_a_consumer_expects_its_load_from_its_producer_until_the_load_starts() -> None:
+    scheduler = make_scheduler(kv_config(full()))
+    consumer = consumer_request("c", 32)
+    reloading = FakeRequest("r", {"do_remote_prefill": True, "do_remote_decode": True})
+    for req in (consumer, producer_request("p", 32), reloading):
+        scheduler.on_new_request(req)
+    assert scheduler.expects_load(consumer)
+    assert not scheduler.expects_load(producer_request("p", 32))
+    assert not scheduler.expects_load(reloading)
+    consumer.num_computed_tokens = 32
+    scheduler.add_recv(consumer, FakeBlocks.of([1, 2]), 0)
+    assert not scheduler.expects_load(consumer)
+
+
 def test_blocks_leave_out_leading_nulls_and_groups_with_a_gap() -> None:
     config = kv_config(full(), SlidingWindowSpec(16, sliding_window=20), full())
     scheduler = make_scheduler(config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from engine_patch.config import KVChecksumConfig
@@ -23,6 +23,7 @@ from engine_patch.verify import (
     KVChecksumComparer,
     PendingChecksums,
     UnverifiedReason,
+    _covers,
     common_chunks,
 )
 
@@ -116,3 +117,25 @@ def test_a_mismatch_only_in_the_gap_is_not_compared() -> None:
     mismatches, unverified, _, _ = _compare(values, sent)
     assert mismatches == {}
     assert [e.reason for e in unverified] == [UnverifiedReason.UNCOVERED]
+
+
+@given(
+    chunks=st.one_of(
+        st.builds(range, st.integers(0, 12), st.integers(0, 12)),
+        st.sets(st.integers(0, 12), max_size=8).map(
+            lambda s: np.array(sorted(s), dtype=np.int64)
+        ),
+    ),
+    lo=st.integers(0, 14),
+    size=st.integers(0, 6),
+)
+# Two chunks three apart span as many as two consecutive ones and one more.
+@example(chunks=np.array([0, 3]), lo=0, size=4)
+def test_chunks_cover_a_range_iff_they_hold_each_of_its_chunks(
+    chunks: range | np.ndarray, lo: int, size: int
+) -> None:
+    # What "every loaded token was compared" rests on: a range is covered
+    # only if no chunk of it is missing, consecutive chunks or not.
+    hi = lo + size
+    expected = set(range(lo, hi)) <= {int(c) for c in chunks}
+    assert _covers(chunks, lo, hi) is expected
