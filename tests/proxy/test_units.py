@@ -34,7 +34,7 @@ from proxy.body import (
     prefix_key,
 )
 from proxy.config import EjectionConfig
-from proxy.ejection import IntegrityTracker, _concentrated
+from proxy.ejection import IntegrityTracker, _concentrated, _Recent
 from proxy.instances import Instance, Pool
 from proxy.metrics import LoopHistogram
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
@@ -267,6 +267,32 @@ class _JudgingEveryone(IntegrityTracker):
         return {p for _, p, _ in self._failures} | {d for _, _, d in self._failures}
 
 
+@given(
+    gaps=st.lists(st.floats(0, 25, allow_nan=False), max_size=12),
+    wait=st.floats(0, 25, allow_nan=False),
+)
+def test_recent_counts_weigh_the_previous_window_by_what_is_still_inside(
+    gaps: list[float], wait: float
+) -> None:
+    # Clean loads are counted in two window-wide buckets (10 s here): the
+    # current one whole, the previous one by the share of it the window
+    # ending now still holds; older ones not at all.
+    width, now, times = 10.0, 0.0, []
+    recent = _Recent()
+    for gap in gaps:
+        now += gap
+        recent.add(now, width)
+        times.append(now)
+    now += wait
+    bucket = now // width
+    inside = 1.0 - (now / width - bucket)
+    expected = sum(
+        1.0 if t // width == bucket else inside if t // width == bucket - 1 else 0.0
+        for t in times
+    )
+    assert recent.count(now, width) == pytest.approx(expected)
+
+
 def test_clean_loads_elsewhere_complete_the_case_against_a_failed_partner():
     t = tracker(Clock(), pair_failures=100)
     (p,) = insts(1)
@@ -390,6 +416,20 @@ def test_scanner_spots_error_events_and_empty_streams():
     assert FirstEventScanner().at_eof().kind is First.EMPTY
 
 
+@pytest.mark.parametrize(
+    ("last", "kind"),
+    [
+        (b'data: {"choices": [{"text": "a"}]}', First.DATA),
+        (b'data: {"error": {"message": "KV checksum mismatch"}}', First.ERROR),
+        (b"data: [DONE]", First.EMPTY),
+    ],
+)
+def test_an_event_the_stream_ends_without_its_blank_line_is_still_read(last, kind):
+    s = FirstEventScanner()
+    assert s.feed(last) is None
+    assert s.at_eof().kind is kind
+
+
 def test_a_finish_reason_named_error_is_data_not_an_error_event():
     verdict = FirstEventScanner().feed(
         b'data: {"choices": [{"finish_reason": "error"}]}\n\n'
@@ -445,6 +485,8 @@ def test_an_abort_before_any_output_is_aborted_not_data(event):
         b'"tool_calls": [{"id": "t"}]}}]}',
         b'{"choices": [{"index": 0, "text": "a", "finish_reason": "abort"}]}',
         b'{"choices": [{"index": 0, "text": ""}]}',
+        # Read whole (a token is "role"), still an empty completion chunk.
+        b'{"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["role"]}}]}',
         b'{"role": [1], "choices": "x"}',
     ],
 )
