@@ -203,6 +203,32 @@ def test_a_good_prefills_rare_failure_does_not_turn_blame_on_the_only_decode():
     assert not d.ejected and not good.ejected
 
 
+def test_with_ejection_off_clean_loads_after_failures_eject_nobody():
+    clock = Clock()
+    t = tracker(clock, enabled=False, pair_failures=100)
+    (bad, good), (d,) = insts(2), insts(1, "decode")
+    for _ in range(3):
+        assert t.record_failure(bad, d) == []
+    # With ejection on, these clean loads clear d and eject bad (above).
+    assert [e for _ in range(20) for e in t.record_success(good, d)] == []
+    assert not bad.ejected
+
+
+def test_an_instance_ejection_takes_its_failing_pair_with_it_and_no_pair_ejection():
+    clock = Clock()
+    t = tracker(clock, pair_failures=3)
+    (bad, good), (d,) = insts(2), insts(1, "decode")
+    for _ in range(20):
+        t.record_success(good, d)
+    t.record_failure(bad, d)
+    t.record_failure(bad, d)
+    # The third failure reaches both thresholds: the prefill goes, and the
+    # pair needs no cooldown of its own once the prefill is back.
+    (ejection,) = t.record_failure(bad, d)
+    assert ejection.instance is bad and ejection.partner is None
+    assert not t.has_ejected_pairs()
+
+
 def test_failures_outside_the_window_are_forgotten():
     clock = Clock()
     t = tracker(clock, pair_failures=100)
