@@ -229,6 +229,16 @@ def test_an_instance_ejection_takes_its_failing_pair_with_it_and_no_pair_ejectio
     assert not t.has_ejected_pairs()
 
 
+def test_two_failures_with_other_partners_are_evidence_the_fault_follows():
+    clock = Clock()
+    t = tracker(clock, pair_failures=100)
+    (bad,), (d1, d2) = insts(1), insts(2, "decode")
+    # No clean load anywhere: only the pattern says where the fault is.
+    assert [t.record_failure(bad, d) for d in (d1, d2, d1)] == [[], [], []]
+    (ejection,) = t.record_failure(bad, d2)
+    assert ejection.instance is bad and ejection.failures == 4
+
+
 def test_failures_outside_the_window_are_forgotten():
     clock = Clock()
     t = tracker(clock, pair_failures=100)
