@@ -763,6 +763,23 @@ def test_context_lens_are_read_from_vllms_model_cards_loras_from_their_parent():
     assert context_lens([]) == {}
 
 
+def test_an_instances_context_length_is_its_models_or_its_only_one():
+    (inst,) = insts(1)
+    inst.context_lens = {"a": 100, "b": 200}
+    assert (inst.max_model_len("a"), inst.max_model_len("b")) == (100, 200)
+    assert inst.max_model_len("c") is None
+    assert inst.max_model_len(None) is None  # "*": which of the two is unknown
+    inst.context_lens = {"a": 100, "a-alias": 100}
+    assert inst.max_model_len(None) == 100
+
+
+def test_the_admin_view_gives_an_ejections_time_left():
+    (inst,) = insts(1)
+    inst.ejected_until = 1012.5
+    assert inst.describe(1000.0)["ejected_for_s"] == 12.5
+    assert inst.describe(1013.0)["ejected_for_s"] == 0.0
+
+
 def test_prefix_key_reads_the_prompt_or_messages():
     req = parse_request(b'{"prompt": "abcdef"}', Route.COMPLETIONS)
     assert prefix_key(req, Route.COMPLETIONS, 3) == b"abc"
@@ -904,6 +921,10 @@ def test_assembler_builds_a_chat_message_with_tool_calls():
         {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}},
                         {"index": 1, "id": "t1", "function": {"name": "g",
                                                              "arguments": "{}"}}]},
+        # A whole value given again is kept, not joined; a call without an
+        # index continues none.
+        {"tool_calls": [{"index": 0, "type": "function"},
+                        {"id": "t2", "function": {"name": "h"}}]},
     ]  # fmt: skip
     for i, delta in enumerate(deltas):
         a.feed(
@@ -915,7 +936,7 @@ def test_assembler_builds_a_chat_message_with_tool_calls():
                         "index": 0,
                         "delta": delta,
                         "logprobs": {"content": [{"token": str(i)}]},
-                        "finish_reason": "tool_calls" if i == 4 else None,
+                        "finish_reason": "tool_calls" if i == 5 else None,
                     }
                 ],
             }
@@ -938,9 +959,10 @@ def test_assembler_builds_a_chat_message_with_tool_calls():
                 "function": {"name": "f", "arguments": '{"a": 1}'},
             },
             {"index": 1, "id": "t1", "function": {"name": "g", "arguments": "{}"}},
+            {"id": "t2", "function": {"name": "h"}},
         ],
     }
-    assert [t["token"] for t in choice["logprobs"]["content"]] == list("01234")
+    assert [t["token"] for t in choice["logprobs"]["content"]] == list("012345")
     assert choice["finish_reason"] == "tool_calls"
 
 
