@@ -363,6 +363,41 @@ health: {{interval_s: 3600}}
         assert found.discovered_by is None  # a url: entry's now: never reaped
 
 
+async def test_a_reload_that_changes_the_nameservers_asks_the_new_ones(tmp_path):
+    old, new = Dnsmasq(), Dnsmasq()
+    path = tmp_path / "proxy.yaml"
+
+    def write(port: int) -> None:
+        path.write_text(
+            f"""
+models:
+  '*':
+    prefill: {{instances: [{{url: "http://127.0.0.1:8100"}}]}}
+    decode: {{instances: [{{dns: "decode.kv.test:8200"}}]}}
+discovery: {{interval_s: 3600, timeout_s: 1, nameservers: ["127.0.0.1:{port}"]}}
+health: {{enabled: false}}
+"""
+        )
+
+    try:
+        write(await old.start({"decode.kv.test": [PREFILL_A]}))
+        new_port = await new.start({"decode.kv.test": [PREFILL_B]})
+        async with running_proxy(load_config(path), source=str(path)) as proxy:
+            await proxy.state.discovery.refresh()
+            assert list(_pool_urls(proxy.state, "decode")) == [
+                f"http://{PREFILL_A}:8200"
+            ]
+            write(new_port)
+            assert await proxy.state.reload()
+            await proxy.state.discovery.refresh()
+            assert list(_pool_urls(proxy.state, "decode")) == [
+                f"http://{PREFILL_B}:8200"
+            ]
+    finally:
+        old.stop()
+        new.stop()
+
+
 class _Resolver(AbstractResolver):
     """Resolves names to 127.0.0.1, but raises what a broken name raises."""
 
