@@ -103,20 +103,6 @@ def _joined(text: str) -> str:
         raise ValueError(f"{text!r} holds a lone UTF-16 surrogate: not text") from None
 
 
-def _check_bracketed(host: str, value: str) -> None:
-    """yarl takes anything in brackets as a host; the URL it gives back
-    would not parse unless it is an IPv6 address.
-
-    Raises:
-        ValueError: ``host`` (of ``value``) holds a colon and is no IPv6 address.
-    """
-    if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
-
-
 # What a resolver can look up, in the ASCII (IDNA) form: letters, digits,
 # hyphens and dots, and the underscores some service names carry.
 _HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -124,20 +110,24 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 def _check_host(url: URL, value: str) -> None:
     """Checks the host of ``url`` (parsed from ``value``) is an IP address or
-    a name a resolver can look up: yarl takes a space, or a character whose
-    compatibility form starts with one (an acute accent), and gives back a
-    host that reads back differently.
+    a name a resolver can look up: yarl takes anything in brackets, a space,
+    or a character whose compatibility form starts with one (an acute
+    accent), and gives back a URL that does not parse or reads back
+    differently.
 
     Raises:
         ValueError: a bracketed host that is no IPv6 address, or a host name
             with other characters, an empty or an over-long label.
     """
     host = url.host or ""
-    _check_bracketed(host, value)
     if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"not an IPv6 address in brackets: {value!r}") from None
         return
     try:
-        ipaddress.ip_address(host)
+        ipaddress.IPv4Address(host)
         return
     except ValueError:
         pass
