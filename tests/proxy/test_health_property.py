@@ -137,6 +137,7 @@ FAILING = [
     Reply("status", 503, b'{"error": "loading"}'),
     Reply("status", 500),
     Reply("status", 404, b"not found"),
+    Reply("status", 300),  # the first status past 2xx
     Reply("status", 302),  # no Location: nothing to follow
     Reply("status", 500, _BIG, chunked=True),
     Reply("reset"),
@@ -930,5 +931,35 @@ def test_answers_that_never_come_fail_the_probe_and_leave_health_to_it() -> None
         machine.each_instance_is_as_the_rules_say()
         assert a.prefill.instances[0].healthy
         assert all(d.context_lens == MODELS[0][1] for d in a.decode.instances)
+    finally:
+        machine.teardown()
+
+
+def test_a_probe_passes_on_each_2xx_answer_and_fails_on_each_other() -> None:
+    """Every answer the machine draws from, each in turn (the machine may
+    not draw a rare one): healthy on a 2xx whatever its body, out on
+    anything else, 300 included."""
+    machine = HealthMachine()
+    try:
+        machine.start(
+            settings=Settings(enabled=True, unhealthy=1, healthy=1, cooldown=1.0),
+            replies=[PASSING[0]] * BACKENDS,
+            models=[MODELS[0]] * BACKENDS,
+        )
+        answers = [*FAILING, *PASSING]
+        for start in range(0, len(answers), BACKENDS):
+            batch = answers[start : start + BACKENDS]
+            for i, reply in enumerate(batch):
+                machine.health_answers(i, reply)
+            machine.probe_rounds(through_the_loop=False, rounds=1)
+            machine.each_instance_is_as_the_rules_say()
+            for i, reply in enumerate(batch):
+                backend = machine.backends.backends[i]
+                healthy = [
+                    inst.healthy
+                    for inst in machine.listed()
+                    if machine.backend(inst) is backend
+                ]
+                assert healthy and all(h == passes(reply) for h in healthy), reply
     finally:
         machine.teardown()
