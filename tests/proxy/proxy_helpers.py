@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class StubEngine:
     # The entries of its /v1/models (vLLM's give max_model_len); by default
     # one without, named after the port.
     served: list[dict[str, Any]] | None = None
+    # Served over TLS with this context (an https URL) when set.
+    ssl_context: ssl.SSLContext | None = None
     # Data events (payloads) a decode streams instead of its text.
     events: list[bytes] | None = None
     # The body a prefill answers instead of its token and params.
@@ -100,7 +103,8 @@ class StubEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "http" if self.ssl_context is None else "https"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def bodies(self, path: str = "") -> list[dict[str, Any]]:
         return [b for p, _, b in self.requests if path in p]
@@ -348,7 +352,7 @@ class StubEngine:
             app.on_response_prepare.append(self._add_cookie)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         await site.start()
         self.port = self.runner.addresses[0][1]
         _STUBS[self.port] = self

@@ -1,14 +1,21 @@
-"""``kvguard proxy`` as a process: no-YAML starts, toy-proxy flags, SIGHUP reload."""
+"""``kvguard proxy`` as a process: no-YAML starts, toy-proxy flags, SIGHUP
+reload, backends over TLS."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
+import os
+import shutil
 import signal
+import ssl
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -28,7 +35,7 @@ from tests.support.ports import free_port
 
 @asynccontextmanager
 async def proxy_process(
-    *args: str,
+    *args: str, env: Mapping[str, str] | None = None
 ) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -41,6 +48,7 @@ async def proxy_process(
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -80,6 +88,15 @@ async def complete(url: str, prompt: str = "hi") -> tuple[int, str]:
         reply = await resp.json()
     text = reply["choices"][0]["text"] if resp.status == 200 else str(reply)
     return resp.status, text
+
+
+async def complete_streamed(url: str, prompt: str = "hi") -> tuple[int, str]:
+    body = {"prompt": prompt, "max_tokens": 3, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as resp,
+    ):
+        return resp.status, await resp.text()
 
 
 def test_toy_proxy_flags_pair_hosts_with_ports():
@@ -212,3 +229,83 @@ async def test_serving_collects_young_objects_less_often():
         stop.set()
         await serving
         gc.set_threshold(*saved)
+
+
+def _openssl(*args: str) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command (apt-get install openssl)")
+    subprocess.run([openssl, *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def private_ca(tmp_path: Path) -> tuple[Path, ssl.SSLContext]:
+    """A private CA's certificate, and a server context for 127.0.0.1 whose
+    certificate it signed: a backend behind an operator's own CA."""
+    ca, ca_key = tmp_path / "ca.pem", tmp_path / "ca.key"
+    cert, key, csr = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "csr"
+    ext = tmp_path / "ext.cnf"
+    ext.write_text(
+        "basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\n"
+        "extendedKeyUsage=serverAuth\nkeyUsage=digitalSignature\n"
+        "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
+    )
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+    _openssl("req", "-x509", *ec, "-days", "2", "-subj", "/CN=kvguard test CA",
+             "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    _openssl("req", *ec, "-subj", "/CN=127.0.0.1", "-keyout", str(key),
+             "-out", str(csr))  # fmt: skip
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey",
+             str(ca_key), "-set_serial", "1", "-days", "2", "-extfile",
+             str(ext), "-out", str(cert))  # fmt: skip
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return ca, context
+
+
+async def test_https_backends_behind_a_ca_the_proxy_trusts_serve_every_leg(
+    stubs, private_ca
+):
+    """Probes, prefill and decode legs all go over TLS, verified against the
+    CA that ``SSL_CERT_FILE`` names (how an operator trusts a private CA)."""
+    ca, context = private_ca
+    p, d = await stubs(ssl_context=context), await stubs(ssl_context=context)
+    assert p.url.startswith("https://")
+    env = {**os.environ, "SSL_CERT_FILE": str(ca)}
+    async with proxy_process("--prefill", p.url, "--decode", d.url, env=env) as (
+        url,
+        _,
+    ):
+        assert await complete(url) == (200, expected_text("hi", 3))
+        status, events = await complete_streamed(url, "ho")
+    assert status == 200 and events.endswith("data: [DONE]\n\n")
+    texts = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in events.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(texts) == expected_text("ho", 3)
+    assert p.health_checks >= 1 and d.health_checks >= 1
+    assert len(p.requests) == len(d.requests) == 2
+
+
+@pytest.mark.parametrize("probes", ["probes on", "probes off"])
+async def test_an_https_backend_the_proxy_cannot_verify_gets_no_request(
+    stubs, private_ca, tmp_path, probes
+):
+    """Without its CA trusted, a backend's certificate fails verification:
+    the request fails (503) and nothing reaches the backend: not a probe,
+    nor, with probes off, a leg."""
+    _, context = private_ca
+    p, d = await stubs(ssl_context=context), await stubs(ssl_context=context)
+    config = tmp_path / "proxy.yaml"
+    config.write_text(
+        f"health: {{enabled: {str(probes == 'probes on').lower()}}}\n"
+        f"models:\n  '*':\n    prefill: {{instances: [{{url: '{p.url}'}}]}}\n"
+        f"    decode: {{instances: [{{url: '{d.url}'}}]}}\n"
+    )
+    async with proxy_process("--config", str(config)) as (url, _):
+        status, text = await complete(url)
+    assert status == 503 and "prefill" in text
+    assert not p.requests and not d.requests
+    assert p.health_checks == d.health_checks == 0
