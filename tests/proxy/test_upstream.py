@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from proxy.upstream import Upstream, UpstreamResponse, read_capped
+from proxy.upstream import ReplyTooLarge, Upstream, UpstreamResponse, read_capped
 
 NO_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
@@ -41,6 +41,18 @@ class Backend:
             await resp.prepare(request)
             for i in range(3):
                 await resp.write(b"data: %d\n\n" % i)
+            await resp.write_eof()
+            return resp
+        if mode in ("sized", "chunked"):
+            size = int(request.query["size"])
+            if mode == "sized":
+                return web.Response(body=b"x" * size)
+            resp = web.StreamResponse()
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for _ in range(size // 1000):
+                await resp.write(b"x" * 1000)
+            await resp.write(b"x" * (size % 1000))
             await resp.write_eof()
             return resp
         if mode == "slow":
@@ -106,6 +118,21 @@ async def test_a_stream_read_to_its_end_is_pooled_too(backend, upstream):
         assert data == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
         resp.release()
     assert backend.connections == 1
+
+
+@pytest.mark.parametrize("framing", ["sized", "chunked"])
+async def test_a_reply_of_exactly_the_limit_is_read_and_one_byte_more_is_not(
+    backend, upstream, framing
+):
+    """With a Content-Length or chunked, the limit is the largest reply read."""
+    limit = 4500
+    url = backend.url.with_query(mode=framing, size=limit)
+    async with await post(upstream, url) as resp:
+        assert await read_capped(resp, limit) == b"x" * limit
+    url = backend.url.with_query(mode=framing, size=limit + 1)
+    async with await post(upstream, url) as resp:
+        with pytest.raises(ReplyTooLarge):
+            await read_capped(resp, limit)
 
 
 async def test_a_reply_released_before_its_end_closes_its_connection(backend, upstream):
