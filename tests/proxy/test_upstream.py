@@ -111,6 +111,18 @@ async def test_a_reply_read_whole_leaves_its_connection_for_the_next_request(
     assert backend.headers[0]["Host"] == f"127.0.0.1:{backend.url.port}"
 
 
+async def test_the_connections_of_concurrent_requests_are_all_pooled(backend, upstream):
+    """Each connection read whole goes back to the pool, not only the last."""
+
+    async def one() -> None:
+        async with await post(upstream, backend.url) as resp:
+            await read_capped(resp, 1000)
+
+    for _ in range(3):
+        await asyncio.gather(one(), one(), one())
+    assert backend.connections == 3
+
+
 async def test_a_stream_read_to_its_end_is_pooled_too(backend, upstream):
     for _ in range(2):
         resp = await post(upstream, backend.url.with_query(mode="stream"))
