@@ -4,6 +4,7 @@ after its reply was read whole, and never carries one reply into the next."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 from collections.abc import AsyncIterator
@@ -242,3 +243,34 @@ class socket_bound:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+async def test_interim_replies_before_the_reply_are_skipped(upstream):
+    """100 Continue and 103 Early Hints (a gateway's, say) precede the reply
+    the leg reads; the connection is pooled after it as after any other."""
+    requests = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        nonlocal requests
+        with contextlib.suppress(asyncio.IncompleteReadError):  # the client left
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(len(b'{"x": 1}'))
+                requests += 1
+                body = b'{"n": %d}' % requests
+                writer.write(
+                    b"HTTP/1.1 100 Continue\r\n\r\n"
+                    b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+                )
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/")
+    try:
+        for n in (1, 2):
+            async with await post(upstream, url) as resp:
+                assert resp.status == 200
+                assert await resp.read() == b'{"n": %d}' % n
+        assert len(upstream._idle[("127.0.0.1", url.port, False)]) == 1
+    finally:
+        server.close()
