@@ -45,7 +45,8 @@ import json
 import shutil
 import socket
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -908,10 +909,10 @@ def test_probes_passive_outcomes_ejections_and_reloads_keep_the_health_rules() -
     run_state_machine_as_test(HealthMachine, settings=SETTINGS)
 
 
-def test_answers_that_never_come_fail_the_probe_and_leave_health_to_it() -> None:
-    """The machine draws them rarely (each costs a probe's timeout): a
-    /health that never answers is a failed probe, and a /v1/models that
-    never answers, or stalls mid-body, gives no lengths and no failure."""
+@contextmanager
+def one_strike_machine() -> Iterator[HealthMachine]:
+    """A started machine whose instances go out at one failure and come
+    back at one pass, every backend answering as it should; torn down after."""
     machine = HealthMachine()
     try:
         machine.start(
@@ -919,6 +920,16 @@ def test_answers_that_never_come_fail_the_probe_and_leave_health_to_it() -> None
             replies=[PASSING[0]] * BACKENDS,
             models=[MODELS[0]] * BACKENDS,
         )
+        yield machine
+    finally:
+        machine.teardown()
+
+
+def test_answers_that_never_come_fail_the_probe_and_leave_health_to_it() -> None:
+    """The machine draws them rarely (each costs a probe's timeout): a
+    /health that never answers is a failed probe, and a /v1/models that
+    never answers, or stalls mid-body, gives no lengths and no failure."""
+    with one_strike_machine() as machine:
         machine.health_answers(0, Reply("hang"))
         machine.models_answer(2, MODELS[-1])  # hangs
         machine.models_answer(3, MODELS[-2])  # stalls
@@ -931,21 +942,13 @@ def test_answers_that_never_come_fail_the_probe_and_leave_health_to_it() -> None
         machine.each_instance_is_as_the_rules_say()
         assert a.prefill.instances[0].healthy
         assert all(d.context_lens == MODELS[0][1] for d in a.decode.instances)
-    finally:
-        machine.teardown()
 
 
 def test_a_probe_passes_on_each_2xx_answer_and_fails_on_each_other() -> None:
     """Every answer the machine draws from, each in turn (the machine may
     not draw a rare one): healthy on a 2xx whatever its body, out on
     anything else, 300 included."""
-    machine = HealthMachine()
-    try:
-        machine.start(
-            settings=Settings(enabled=True, unhealthy=1, healthy=1, cooldown=1.0),
-            replies=[PASSING[0]] * BACKENDS,
-            models=[MODELS[0]] * BACKENDS,
-        )
+    with one_strike_machine() as machine:
         answers = [*FAILING, *PASSING]
         for start in range(0, len(answers), BACKENDS):
             batch = answers[start : start + BACKENDS]
@@ -961,5 +964,3 @@ def test_a_probe_passes_on_each_2xx_answer_and_fails_on_each_other() -> None:
                     if machine.backend(inst) is backend
                 ]
                 assert healthy and all(h == passes(reply) for h in healthy), reply
-    finally:
-        machine.teardown()
