@@ -1,7 +1,7 @@
 """The real-vLLM harness's own behaviour: a start stalled in NIXL's agent
-creation, whose log falls silent, or whose warm-up gets no answer, is named
-as such and started again once; the benchmark's shares of the CPU for
-NIXL's pollers set each thread's policy and nice value."""
+creation, whose log falls silent (also one that must fail), or whose warm-up
+gets no answer, is named as such and started again once; the benchmark's
+shares of the CPU for NIXL's pollers set each thread's policy and nice value."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ class StallingServer(VllmServer):
     """A "server" that logs NIXL's agent creation and never gets further."""
 
     last_line = f"INFO [base_worker.py:515] {NIXL_INIT_BEGIN}"
+    argv = ("sleep", "60")
 
     def start(self, spec: EngineSpec, kv_transfer_config: object = None) -> None:
         self.spec = spec
         self.starts += 1
         self.log_path = self.log_path.with_name(f"{self.name}-{self.starts}.log")
         self.log_path.write_text(f"{self.last_line}\n")
-        self._launched(subprocess.Popen(["sleep", "60"], process_group=0))
+        self._launched(subprocess.Popen(self.argv, process_group=0))
         self.started_s = vllm_servers.time.monotonic()
 
 
@@ -38,6 +39,12 @@ class SilentServer(StallingServer):
     """A "server" whose log falls silent before NIXL is reached."""
 
     last_line = "INFO [core.py:97] Initializing a V1 LLM engine"
+
+
+class RefusingServer(SilentServer):
+    """A "server" that exits at once with code 3, as vLLM does on a bad config."""
+
+    argv = ("sh", "-c", "exit 3")
 
 
 @pytest.fixture
@@ -86,6 +93,27 @@ async def test_a_stalled_start_is_started_again_once_and_then_fails(
     assert server.starts == 2
     assert re.search(reason, server.restarted)
     assert server.process is None
+
+
+@pytest.mark.usefixtures("stall_after")
+async def test_a_start_that_must_fail_gives_its_exit_code_or_is_named_stalled(
+    tmp_path: Path,
+) -> None:
+    """A refused config's start is waited for to its exit; one whose log
+    falls silent first is a stalled start, as one that must succeed."""
+    refusing = RefusingServer("refusing", 0, tmp_path / "refusing.log")
+    refusing.start(EngineSpec("consumer"))
+    try:
+        assert await refusing.wait_exit(60) == 3
+    finally:
+        refusing.stop()
+    silent = SilentServer("silent", 0, tmp_path / "silent.log")
+    silent.start(EngineSpec("consumer"))
+    try:
+        with pytest.raises(StartStalled, match=r"log silent 2 s at start"):
+            await silent.wait_exit(60)
+    finally:
+        silent.stop()
 
 
 async def test_a_warm_up_without_an_answer_is_a_stalled_start_started_again_once(

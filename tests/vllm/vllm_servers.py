@@ -541,6 +541,33 @@ class VllmServer(Server):
         self.longest_silence_s = max(self.longest_silence_s, silent)
         return silent
 
+    async def wait_exit(self, within_s: float) -> int:
+        """Wait for a start that must fail (a refused config) to exit.
+
+        Returns:
+            Its exit code.
+
+        Raises:
+            StartStalled: If its log stays silent START_SILENT_S first, as a
+                start that must succeed may (the same stall, before vLLM
+                reaches the config).
+            subprocess.TimeoutExpired: If it runs past ``within_s``.
+        """
+        assert self.process is not None
+        deadline = self.started_s + within_s
+        self.log_size, self.log_grew_s = 0, self.started_s
+        while (code := self.process.poll()) is None:
+            if self.log_silent_s() > START_SILENT_S:
+                last = self.log_tail(1) or "(empty)"
+                raise StartStalled(
+                    f"{self.name}: its log silent {START_SILENT_S:.0f} s at start,"
+                    f" after: {last!r} ({thread_waits(self.process.pid)})"
+                )
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.process.args, within_s)
+            await asyncio.sleep(1.0)
+        return code
+
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
         """Wait for /health, then warm the engine up with a local request.
 
