@@ -541,6 +541,20 @@ class VllmServer(Server):
         self.longest_silence_s = max(self.longest_silence_s, silent)
         return silent
 
+    def check_log_not_silent(self) -> None:
+        """A stalled start ends here: one whose log fell silent for minutes.
+
+        Raises:
+            StartStalled: If this start's log has been silent START_SILENT_S.
+        """
+        assert self.process is not None
+        if self.log_silent_s() > START_SILENT_S:
+            last = self.log_tail(1) or "(empty)"
+            raise StartStalled(
+                f"{self.name}: its log silent {START_SILENT_S:.0f} s at start,"
+                f" after: {last!r} ({thread_waits(self.process.pid)})"
+            )
+
     async def wait_exit(self, within_s: float) -> int:
         """Wait for a start that must fail (a refused config) to exit.
 
@@ -557,12 +571,7 @@ class VllmServer(Server):
         deadline = self.started_s + within_s
         self.log_size, self.log_grew_s = 0, self.started_s
         while (code := self.process.poll()) is None:
-            if self.log_silent_s() > START_SILENT_S:
-                last = self.log_tail(1) or "(empty)"
-                raise StartStalled(
-                    f"{self.name}: its log silent {START_SILENT_S:.0f} s at start,"
-                    f" after: {last!r} ({thread_waits(self.process.pid)})"
-                )
+            self.check_log_not_silent()
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.process.args, within_s)
             await asyncio.sleep(1.0)
@@ -601,12 +610,7 @@ class VllmServer(Server):
                     f"{self.name}: NIXL agent creation stalled {NIXL_STALL_S:.0f} s"
                     f" ({thread_waits(self.process.pid)})"
                 )
-            if self.log_silent_s() > START_SILENT_S:
-                last = self.log_tail(1) or "(empty)"
-                raise StartStalled(
-                    f"{self.name}: its log silent {START_SILENT_S:.0f} s at start,"
-                    f" after: {last!r} ({thread_waits(self.process.pid)})"
-                )
+            self.check_log_not_silent()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
             await asyncio.sleep(1.0)
