@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -97,6 +98,35 @@ async def test_oversized_body_is_413_with_or_without_content_length(stubs):
         assert resp.status == 413
         assert (await resp.json())["error"]["code"] == 413
     assert p.requests == []
+
+
+def _completion_of(size: int) -> bytes:
+    """A completions body of exactly ``size`` bytes."""
+    head, tail = b'{"max_tokens": 2, "prompt": "', b'"}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "chunked"])
+async def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413(
+    stubs, sized
+):
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], limits={"max_body_bytes": 2048})
+    async with running_proxy(config) as px:
+        for size, status in ((2048, 200), (2049, 413)):
+            body = _completion_of(size)
+
+            async def chunks(body: bytes = body) -> AsyncIterator[bytes]:
+                for i in range(0, len(body), 500):
+                    yield body[i : i + 500]
+
+            resp = await px.session.post(
+                px.url + "/v1/completions",
+                data=body if sized else chunks(),
+                headers={"Content-Type": "application/json"},
+            )
+            assert resp.status == status, await resp.text()
+    assert len(p.requests) == 1
 
 
 async def test_a_compressed_body_is_held_to_the_limit_as_it_inflates(stubs):
