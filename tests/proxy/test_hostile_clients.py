@@ -210,6 +210,27 @@ async def test_an_unusable_client_request_id_is_replaced_not_a_500(
     assert len(headers["X-Request-Id"]) == 32  # the proxy's own id
 
 
+@pytest.mark.parametrize(
+    "request_id", ["a" * 256, "id 7, printable ~!"], ids=["longest", "printable"]
+)
+async def test_a_usable_client_request_id_is_echoed_but_not_sent_to_the_legs(
+    stubs, request_id
+):
+    # The engines key requests by the id they get: one a client chose could
+    # collide with another client's.
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post(
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-Id": request_id},
+        )
+        assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Request-Id"] == request_id
+    (sent,) = {stub.requests[0][1]["X-Request-Id"] for stub in (p, d)}
+    assert len(sent) == 32 and request_id not in sent
+
+
 async def test_a_status_http_does_not_name_failing_alike_is_answered_in_json(stubs):
     p1, p2 = await stubs("error500"), await stubs("error500")
     p1.error_status = p2.error_status = 599
