@@ -15,6 +15,7 @@ from proxy_helpers import StubEngine, admin, expected_text, make_config, read_ss
 from proxy.body import PREFILL_KV_PARAMS
 from proxy.protocol import INTEGRITY_MARKER
 from proxy.testing import running_proxy
+from tests.support.metrics import metric
 from tests.support.ports import free_port
 
 COMPLETION = {
@@ -544,7 +545,27 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
         assert (await resp.json())["choices"][0]["text"] == expected_text(
             "hello world", 6
         )
+        metrics = await px.metrics()
     assert "kv_transfer_params" not in d.bodies()[-1]
+    # The second attempt and the fallback each retried the integrity failure.
+    assert metric(metrics, "kvguard_proxy_retries_total", reason="kv_integrity") == 2
+
+
+async def test_with_no_prefill_to_pick_the_decode_only_fallback_serves_alone(stubs):
+    # The prefill fails its startup probe: no attempt is made, and the
+    # fallback retries nothing.
+    p, d = await stubs("unhealthy"), await stubs()
+    config = make_config([p.url], [d.url], retry={"on_exhausted": "decode_only"})
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["text"] == expected_text(
+            "hello world", 6
+        )
+        metrics = await px.metrics()
+    assert p.requests == []
+    assert "kv_transfer_params" not in d.bodies()[0]
+    assert metric(metrics, "kvguard_proxy_retries_total") == 0
 
 
 # ------------------------------------ several choices or prompts: local prefill
@@ -816,6 +837,39 @@ async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs
     assert sent == COMPLETION
 
 
+# retry.non_stream_as_stream off: a non-streamed decode's reply is read whole.
+WHOLE_REPLY = {"non_stream_as_stream": False, "backoff_base_s": 0}
+
+
+@pytest.mark.parametrize("status", [500, 503, 302])
+async def test_a_decode_reply_read_whole_that_fails_is_retried_on_another(
+    stubs, status
+):
+    p = await stubs()
+    bad, good = await stubs("error500", error_status=status), await stubs()
+    config = make_config([p.url], [bad.url, good.url], retry=WHOLE_REPLY)
+    async with running_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them starts on ``bad``
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["text"] == expected_text(
+                "hello world", 6
+            )
+    assert len(bad.requests) == 1 and len(good.requests) == 2
+
+
+async def test_a_decode_reply_read_whole_with_a_4xx_is_the_clients_answer(stubs):
+    p, d = await stubs(), await stubs("bad400")
+    config = make_config([p.url], [d.url], retry=WHOLE_REPLY)
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 400
+        assert (await resp.json())["error"]["message"] == "bad prompt"
+        await asyncio.sleep(0.1)
+    assert len(d.requests) == 1
+    assert p.held == set()  # the KV it prefilled is freed
+
+
 async def test_non_stream_first_token_timeout_is_retried(stubs):
     p, d_hang, d_good = await stubs(), await stubs("hang"), await stubs()
     config = make_config(
@@ -874,3 +928,24 @@ async def test_each_attempt_is_logged_as_one_json_line_and_integrity_failures_ke
     assert retry["outcome"] == "ok" and "error" not in retry
     # /status keeps the failed attempt's record.
     assert [r["attempt_id"] for r in recent] == [fail["attempt_id"]]
+
+
+async def test_attempts_logging_off_logs_none_yet_keeps_integrity_failures(
+    stubs, caplog
+):
+    bad, good, d = await stubs("corrupt"), await stubs(), await stubs()
+    config = make_config(
+        [bad.url, good.url],
+        [d.url],
+        retry={"backoff_base_s": 0},
+        logging={"attempts": False},
+    )
+    caplog.set_level("INFO", logger="kvguard.proxy.attempts")
+    async with running_proxy(config) as px:
+        for _ in range(2):  # round robin: one of the two starts on the bad prefill
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200
+            await resp.read()
+        recent = list(px.state.recent_failures)
+    assert [r for r in caplog.records if r.name == "kvguard.proxy.attempts"] == []
+    assert [(r["prefill"], r["outcome"]) for r in recent] == [(bad.url, "kv_integrity")]
