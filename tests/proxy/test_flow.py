@@ -13,6 +13,8 @@ import pytest
 from proxy_helpers import StubEngine, admin, expected_text, make_config, read_sse
 
 from proxy.body import PREFILL_KV_PARAMS
+from proxy.config import ProxyConfig
+from proxy.policy import prefix_hash
 from proxy.protocol import INTEGRITY_MARKER
 from proxy.testing import running_proxy
 from tests.support.metrics import metric
@@ -410,6 +412,65 @@ async def test_decode_4xx_goes_back_unchanged_and_frees_the_prefill_kv(stubs):
         assert (await resp.json())["error"]["message"] == "bad prompt"
     await asyncio.sleep(0.1)
     assert p.held == set()
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_4xx_attempt_is_logged_as_its_legs(stubs, caplog, leg):
+    p = await stubs("bad400" if leg == "prefill" else "ok")
+    d = await stubs("bad400" if leg == "decode" else "ok")
+    caplog.set_level("INFO", logger="kvguard.proxy.attempts")
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 400
+    (record,) = [
+        msgspec.json.decode(r.getMessage())
+        for r in caplog.records
+        if r.name == "kvguard.proxy.attempts"
+    ]
+    assert (record["outcome"], record["status"]) == (f"{leg}_4xx", 400)
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+async def test_a_prefix_hash_pool_sends_each_prompt_where_its_prefix_hashes(
+    stubs, pool
+):
+    # The other pool round-robins: only the hashed one needs the prefix.
+    hashed = [await stubs(), await stubs()]
+    other = await stubs()
+    policies = {"prefill": "round_robin", "decode": "round_robin", pool: "prefix_hash"}
+    urls = {"prefill": [other.url], "decode": [other.url]}
+    urls[pool] = [stub.url for stub in hashed]
+    config = ProxyConfig.model_validate(
+        {
+            "models": {
+                "*": {
+                    role: {
+                        "policy": policies[role],
+                        "instances": [{"url": url} for url in urls[role]],
+                    }
+                    for role in ("prefill", "decode")
+                }
+            },
+            "health": {"interval_s": 30},
+        }
+    )
+    async with running_proxy(config) as px:
+        instances = getattr(px.state.pools_for("m"), pool).instances
+        for i in range(6):
+            prompt = f"prompt {i}"
+            target = prefix_hash(instances, prompt.encode()).url
+            for _ in range(2):  # sent twice: it lands on the same one
+                before = [len(stub.requests) for stub in hashed]
+                resp = await px.post(
+                    "/v1/completions", {"prompt": prompt, "max_tokens": 2}
+                )
+                assert resp.status == 200, await resp.text()
+                (got,) = [
+                    stub.url
+                    for stub, n in zip(hashed, before, strict=True)
+                    if len(stub.requests) > n
+                ]
+                assert got == target
 
 
 # Values vLLM refuses whatever the prompt, in fields the prefill leg does
