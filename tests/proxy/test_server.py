@@ -15,6 +15,7 @@ from proxy_helpers import StubEngine, add_prefill, admin, expected_text, make_co
 import proxy.state
 from proxy.config import ConfigError, ProxyConfig, load_config, parse_config
 from proxy.testing import running_proxy
+from tests.support.metrics import metric
 from tests.support.ports import free_port
 
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -271,6 +272,30 @@ async def test_metrics_expose_the_documented_families(stubs):
         'role="prefill"} 1.0',
     ):
         assert family in text
+
+
+@pytest.mark.parametrize("whole_reply", [False, True], ids=["as-stream", "whole"])
+async def test_each_leg_and_the_first_token_are_timed_within_the_request(
+    stubs, whole_reply
+):
+    p, d = await stubs(prefill_delay=0.2), await stubs()
+    config = make_config(
+        [p.url], [d.url], retry={"non_stream_as_stream": not whole_reply}
+    )
+    async with running_proxy(config) as px:
+        started = time.monotonic()
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200
+        await resp.read()
+        elapsed = time.monotonic() - started
+        text = await px.metrics()
+    prefill = metric(text, "kvguard_proxy_leg_seconds_sum", leg="prefill")
+    decode = metric(text, "kvguard_proxy_leg_seconds_sum", leg="decode")
+    ttft = metric(text, "kvguard_proxy_ttft_seconds_sum")
+    assert prefill >= 0.2 and decode > 0
+    assert prefill + decode <= ttft <= elapsed
+    for leg in ("prefill", "decode"):
+        assert metric(text, "kvguard_proxy_leg_seconds_count", leg=leg) == 1
 
 
 async def test_admin_api_requires_its_key(stubs, monkeypatch):
