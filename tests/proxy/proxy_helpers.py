@@ -60,7 +60,7 @@ class StubEngine:
     """One backend; ``mode`` picks a failure to simulate."""
 
     port: int = 0
-    # ok|corrupt|integrity|error500|hang|empty|abort|abort_late|die|bad400
+    # ok|corrupt|integrity|error500|hang|empty|abort|abort_late|die|cut|bad400
     mode: str = "ok"
     requests: list[tuple[str, Mapping[str, str], dict[str, Any]]] = field(
         default_factory=list
@@ -293,6 +293,9 @@ class StubEngine:
                 if self.mode == "die" and i == 1:
                     assert request.transport is not None
                     request.transport.abort()
+                    return resp
+                if self.mode == "cut" and i == 1:  # a clean end, but no [DONE]
+                    await resp.write_eof()
                     return resp
                 if self.mode == "abort_late" and i == 1:
                     # Dropped after its first tokens, the abort event written

@@ -902,7 +902,7 @@ async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs
 WHOLE_REPLY = {"non_stream_as_stream": False, "backoff_base_s": 0}
 
 
-@pytest.mark.parametrize("status", [500, 503, 302])
+@pytest.mark.parametrize("status", [500, 503, 300, 302])
 async def test_a_decode_reply_read_whole_that_fails_is_retried_on_another(
     stubs, status
 ):
@@ -929,6 +929,22 @@ async def test_a_decode_reply_read_whole_with_a_4xx_is_the_clients_answer(stubs)
         await asyncio.sleep(0.1)
     assert len(d.requests) == 1
     assert p.held == set()  # the KV it prefilled is freed
+
+
+@pytest.mark.parametrize("mode", ["cut", "die", "abort_late"])
+async def test_a_decode_stream_collected_for_a_whole_reply_that_ends_short_is_retried(
+    stubs, mode
+):
+    p, bad, good = await stubs(), await stubs(mode), await stubs()
+    config = make_config([p.url], [bad.url, good.url], retry={"backoff_base_s": 0})
+    async with running_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them starts on ``bad``
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["text"] == expected_text(
+                "hello world", 6
+            )
+    assert len(bad.requests) == 1 and len(good.requests) == 2
 
 
 async def test_non_stream_first_token_timeout_is_retried(stubs):
