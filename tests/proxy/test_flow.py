@@ -1007,6 +1007,32 @@ async def test_each_attempt_is_logged_as_one_json_line_and_integrity_failures_ke
     assert [r["attempt_id"] for r in recent] == [fail["attempt_id"]]
 
 
+async def test_only_a_decode_that_loaded_the_prefills_kv_counts_as_a_clean_load(
+    stubs, monkeypatch
+):
+    # A prefill that gives no kv_transfer_params leaves its decode to prefill
+    # locally: no transfer between the two, so no evidence for ejection.
+    no_kv = await stubs(
+        prefill_reply=b'{"choices": [{"index": 0, "text": " x"}], '
+        b'"kv_transfer_params": null}'
+    )
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([no_kv.url, p.url], [d.url])) as px:
+        tracker = px.state.tracker
+        clean: list[tuple[str, str]] = []
+
+        def record_success(prefill: Any, decode: Any) -> Any:
+            clean.append((prefill.url, decode.url))
+            return type(tracker).record_success(tracker, prefill, decode)
+
+        monkeypatch.setattr(tracker, "record_success", record_success)
+        for _ in range(2):  # round robin: one request on each prefill
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+    assert ["kv_transfer_params" in body for body in d.bodies()].count(False) == 1
+    assert clean == [(p.url, d.url)]
+
+
 async def test_attempts_logging_off_logs_none_yet_keeps_integrity_failures(
     stubs, caplog
 ):
