@@ -287,6 +287,36 @@ async def test_decode_error_event_before_first_token_is_retried(stubs):
             )
 
 
+# A decode's error event that is no integrity failure (vLLM's for a failed step).
+ERROR_EVENT = b'{"error": {"message": "step failed", "type": "x", "code": 500}}'
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason", "message"),
+    [
+        ({"mode": "error500"}, "decode_5xx", "HTTP 500: engine dead"),
+        ({"events": [ERROR_EVENT]}, "decode_error_event", "error event: step failed"),
+    ],
+    ids=["5xx", "error-event"],
+)
+async def test_a_decode_failure_is_retried_and_reported_under_its_reason(
+    stubs, bad, reason, message
+):
+    p, d_bad, d_good = await stubs(), await stubs(**bad), await stubs()
+    config = make_config([p.url], [d_bad.url, d_good.url], retry={"backoff_base_s": 0})
+    async with running_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them starts on ``d_bad``
+            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert await read_sse(resp) == (expected_text("hello world", 6), [])
+        metrics = await px.metrics()
+    assert metric(metrics, "kvguard_proxy_retries_total", reason=reason) == 1
+    one_decode = make_config([p.url], [d_bad.url], retry={"max_attempts": 1})
+    async with running_proxy(one_decode) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 503
+        assert message in (await resp.json())["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"), [("empty", "decode_empty"), ("abort", "decode_aborted")]
 )
@@ -320,8 +350,14 @@ async def test_first_token_timeout_is_retried(stubs):
     assert d_hang.cancelled == len(d_hang.requests)
 
 
-async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(stubs):
-    p, d = await stubs(), await stubs("die")
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [("die", "decode stream broke"), ("cut", "decode stream ended without [DONE]")],
+)
+async def test_decode_killed_or_cut_mid_stream_ends_the_stream_with_an_error_event(
+    stubs, mode, message
+):
+    p, d = await stubs(), await stubs(mode)
     async with running_proxy(make_config([p.url], [d.url])) as px:
         started = time.monotonic()
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
@@ -330,6 +366,7 @@ async def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(stub
     assert time.monotonic() - started < 5
     assert text == expected_text("hello world", 6)[: len(text)] and text
     assert len(errors) == 1 and errors[0]["code"] == 502
+    assert errors[0]["message"].startswith(message)
     assert len(d.requests) == 1  # nothing retried after the first byte
 
 
@@ -471,6 +508,23 @@ async def test_a_prefix_hash_pool_sends_each_prompt_where_its_prefix_hashes(
                     if len(stub.requests) > n
                 ]
                 assert got == target
+
+
+@pytest.mark.parametrize("internal", [None, ""], ids=["absent", "empty"])
+async def test_a_prefill_whose_params_name_no_request_is_freed_by_its_legs_id(
+    stubs, internal
+):
+    params: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": [[1]]}
+    if internal is not None:
+        params["remote_request_id"] = internal
+    reply = {"choices": [{"index": 0, "text": " x"}], "kv_transfer_params": params}
+    p = await stubs(prefill_reply=msgspec.json.encode(reply))
+    d = await stubs("bad400")
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 400
+        await asyncio.sleep(0.1)
+    assert p.aborts == [[p.requests[0][1]["X-Request-Id"]]]
 
 
 # Values vLLM refuses whatever the prompt, in fields the prefill leg does
@@ -945,6 +999,9 @@ async def test_a_decode_stream_collected_for_a_whole_reply_that_ends_short_is_re
                 "hello world", 6
             )
     assert len(bad.requests) == 1 and len(good.requests) == 2
+    # A stream that did not end with [DONE] may still run on the decode.
+    await asyncio.sleep(0.1)
+    assert len(bad.aborts) == (0 if mode == "abort_late" else 1)
 
 
 async def test_non_stream_first_token_timeout_is_retried(stubs):
