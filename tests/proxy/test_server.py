@@ -292,8 +292,9 @@ async def test_each_leg_and_the_first_token_are_timed_within_the_request(
     prefill = metric(text, "kvguard_proxy_leg_seconds_sum", leg="prefill")
     decode = metric(text, "kvguard_proxy_leg_seconds_sum", leg="decode")
     ttft = metric(text, "kvguard_proxy_ttft_seconds_sum")
+    e2e = metric(text, "kvguard_proxy_e2e_seconds_sum")
     assert prefill >= 0.2 and decode > 0
-    assert prefill + decode <= ttft <= elapsed
+    assert prefill + decode <= ttft <= e2e <= elapsed
     for leg in ("prefill", "decode"):
         assert metric(text, "kvguard_proxy_leg_seconds_count", leg=leg) == 1
 
