@@ -18,7 +18,7 @@ from proxy.policy import prefix_hash
 from proxy.protocol import INTEGRITY_MARKER
 from proxy.testing import running_proxy
 from tests.support.metrics import metric
-from tests.support.ports import free_port
+from tests.support.ports import free_port, unanswered_port
 
 COMPLETION = {
     "model": "m",
@@ -35,6 +35,7 @@ async def test_non_stream_completion_is_the_decode_reply(stubs):
         assert resp.status == 200
         body = await resp.json()
     assert body["choices"][0]["text"] == expected_text("hello world", 6)
+    assert p.aborts == d.aborts == []  # the decode pulled the KV: nothing to free
 
 
 async def test_stream_completion_relays_every_token(stubs):
@@ -46,6 +47,7 @@ async def test_stream_completion_relays_every_token(stubs):
         text, errors = await read_sse(resp)
     assert errors == []
     assert text == expected_text("hello world", 6)
+    assert p.aborts == d.aborts == []
 
 
 async def test_prefill_body_follows_the_wire_protocol_and_keeps_other_fields(stubs):
@@ -414,18 +416,49 @@ async def test_idle_decode_stream_ends_with_an_error_event_within_the_idle_timeo
     assert text and "idle" in errors[0]["message"]
 
 
-async def test_decode_down_before_start_is_retried_on_another_decode(stubs):
+@pytest.mark.parametrize("whole_reply", [False, True], ids=["as-stream", "whole"])
+async def test_decode_down_before_start_is_retried_on_another_decode(
+    stubs, whole_reply
+):
     p, d = await stubs(), await stubs()
     down = f"http://127.0.0.1:{free_port()}"
     # Health checks off: on, the startup probe would keep it out of rotation.
     config = make_config(
-        [p.url], [down, d.url], retry={"backoff_base_s": 0}, health={"enabled": False}
+        [p.url],
+        [down, d.url],
+        retry={"backoff_base_s": 0, "non_stream_as_stream": not whole_reply},
+        health={"enabled": False},
     )
     async with running_proxy(config) as px:
         for stream in (False, True, False, True):
             resp = await px.post("/v1/completions", {**COMPLETION, "stream": stream})
             assert resp.status == 200
             await resp.read()
+        metrics = await px.metrics()
+    retried = metric(metrics, "kvguard_proxy_retries_total", reason="decode_connect")
+    assert retried >= 1
+    assert metric(metrics, "kvguard_proxy_retries_total") == retried
+
+
+@pytest.mark.parametrize("whole_reply", [False, True], ids=["as-stream", "whole"])
+async def test_a_decode_taking_no_connections_is_retried_after_the_connect_timeout(
+    stubs, whole_reply
+):
+    p, d = await stubs(), await stubs()
+    with unanswered_port() as port:
+        config = make_config(
+            [p.url],
+            [f"http://127.0.0.1:{port}", d.url],  # round robin: it comes first
+            retry={"backoff_base_s": 0, "non_stream_as_stream": not whole_reply},
+            timeouts={"connect_s": 0.2},
+            health={"enabled": False},
+        )
+        async with running_proxy(config) as px:
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+            metrics = await px.metrics()
+    assert metric(metrics, "kvguard_proxy_retries_total", reason="decode_connect") == 1
+    assert len(d.requests) == 1
 
 
 async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
@@ -680,6 +713,19 @@ async def test_exhausted_retries_fall_back_to_decode_only_when_configured(stubs)
     assert "kv_transfer_params" not in d.bodies()[-1]
     # The second attempt and the fallback each retried the integrity failure.
     assert metric(metrics, "kvguard_proxy_retries_total", reason="kv_integrity") == 2
+
+
+async def test_a_decode_only_fallback_that_fails_gives_503_saying_so(stubs):
+    p, d = await stubs(), await stubs("error500")
+    config = make_config(
+        [p.url], [d.url], retry={"max_attempts": 1, "on_exhausted": "decode_only"}
+    )
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 503
+        message = (await resp.json())["error"]["message"]
+    assert "decode-only fallback failed: HTTP 500" in message
+    assert ["kv_transfer_params" in body for body in d.bodies()] == [True, False]
 
 
 async def test_with_no_prefill_to_pick_the_decode_only_fallback_serves_alone(stubs):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 # Ports handed out by free_port in this process.
@@ -50,3 +52,16 @@ def free_port(*, udp: bool = False) -> int:
         _PORTS.add(port)
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A port on 127.0.0.1 whose connections time out: a listening socket
+    whose accept queue one connection it never accepts has filled, so the
+    kernel drops further connection requests (Linux), as a host that lost
+    its network would."""
+    with socket.socket() as server, socket.socket() as filler:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        filler.connect(server.getsockname())
+        yield int(server.getsockname()[1])
