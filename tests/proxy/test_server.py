@@ -274,17 +274,17 @@ async def test_metrics_expose_the_documented_families(stubs):
         assert family in text
 
 
-@pytest.mark.parametrize("whole_reply", [False, True], ids=["as-stream", "whole"])
-async def test_each_leg_and_the_first_token_are_timed_within_the_request(
-    stubs, whole_reply
-):
+@pytest.mark.parametrize("client", ["stream", "as-stream", "whole"])
+async def test_each_leg_and_the_first_token_are_timed_within_the_request(stubs, client):
     p, d = await stubs(prefill_delay=0.2), await stubs()
     config = make_config(
-        [p.url], [d.url], retry={"non_stream_as_stream": not whole_reply}
+        [p.url], [d.url], retry={"non_stream_as_stream": client != "whole"}
     )
     async with running_proxy(config) as px:
         started = time.monotonic()
-        resp = await px.post("/v1/completions", COMPLETION)
+        resp = await px.post(
+            "/v1/completions", {**COMPLETION, "stream": client == "stream"}
+        )
         assert resp.status == 200
         await resp.read()
         elapsed = time.monotonic() - started

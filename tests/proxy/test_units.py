@@ -35,6 +35,7 @@ from proxy.body import (
 )
 from proxy.config import EjectionConfig
 from proxy.ejection import IntegrityTracker, _concentrated, _Recent
+from proxy.flow import Flow
 from proxy.instances import Instance, Pool
 from proxy.metrics import LoopHistogram
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
@@ -1067,3 +1068,26 @@ def test_a_loop_histogram_refuses_the_wrong_labels():
     plain = LoopHistogram("b_seconds", "B", _GAP_BUCKETS, registry)
     with pytest.raises(ValueError, match="takes labels"):
         plain.labels("chat")
+
+
+@pytest.mark.parametrize(
+    ("attempt", "low", "high"),
+    [
+        (1, 0.005, 0.01),
+        (2, 0.01, 0.02),
+        (3, 0.02, 0.04),
+        (6, 0.125, 0.25),
+        (9, 0.125, 0.25),
+    ],
+)
+def test_the_backoff_before_a_retry_doubles_with_jitter_up_to_its_ceiling(
+    attempt, low, high
+):
+    cfg = make_config(
+        ["http://p:8000"],
+        ["http://d:8000"],
+        retry={"backoff_base_s": 0.01, "backoff_max_s": 0.25},
+    )
+    waits = [Flow._backoff(attempt, cfg) for _ in range(200)]
+    assert low <= min(waits) and max(waits) <= high
+    assert max(waits) - min(waits) > (high - low) / 2  # jittered over the range
