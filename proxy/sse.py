@@ -64,46 +64,54 @@ class FirstEventScanner:
 
     ``feed`` returns None while no complete data event has arrived; then a
     Verdict. ``held`` is every byte fed so far, to relay once the stream is
-    accepted.
+    accepted. Each byte is scanned once (see :class:`EventReader`).
     """
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_events", "_held")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._held = bytearray()
+        self._events = EventReader()
 
     @property
     def held(self) -> bytes:
-        return bytes(self._buf)
+        return bytes(self._held)
+
+    @property
+    def size(self) -> int:
+        """Bytes fed so far (``len(held)``, without copying them)."""
+        return len(self._held)
 
     def feed(self, chunk: bytes) -> Verdict | None:
-        self._buf += chunk
-        text = bytes(self._buf)
-        if b"\r" in text:
-            text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events = text.split(b"\n\n")
-        for event in events[:-1]:  # the last part is incomplete
-            data = _event_data(event)
-            if data is None:
-                continue  # comment, keep-alive or a field without data
-            if data.strip() == DONE:
-                return Verdict(First.EMPTY, "stream ended before any data")
-            message = error_message(data)
-            if message is not None:
-                return Verdict(First.ERROR, message)
-            kind = _output_kind(data)
-            if kind is First.ABORTED:
-                return Verdict(kind, "decode aborted the request before its output")
-            if kind is not None:
-                return Verdict(kind)
+        self._held += chunk
+        for data in self._events.feed(chunk):
+            verdict = _verdict(data)
+            if verdict is not None:
+                return verdict
         return None
 
     def at_eof(self) -> Verdict:
         """The verdict when the stream ends before ``feed`` gave one."""
-        tail = self.feed(b"\n\n") if self._buf else None
+        tail = self.feed(b"\n\n") if self._held else None
         if tail is not None and tail.kind is not First.EMPTY:
             return tail
         return Verdict(First.EMPTY, "stream ended before any data")
+
+
+def _verdict(data: bytes) -> Verdict | None:
+    """What an event's payload says of the stream: None for a chat stream's
+    opening role-only chunk, which says nothing yet."""
+    if data.strip() == DONE:
+        return Verdict(First.EMPTY, "stream ended before any data")
+    message = error_message(data)
+    if message is not None:
+        return Verdict(First.ERROR, message)
+    kind = _output_kind(data)
+    if kind is First.ABORTED:
+        return Verdict(kind, "decode aborted the request before its output")
+    if kind is not None:
+        return Verdict(kind)
+    return None
 
 
 def _output_kind(data: bytes) -> First | None:
@@ -138,24 +146,47 @@ def _output_kind(data: bytes) -> First | None:
 
 
 class EventReader:
-    """Splits an SSE byte stream into the data payloads of its events."""
+    """Splits an SSE byte stream into the data payloads of its events.
 
-    __slots__ = ("_buf",)
+    Each byte is scanned once, however the stream is cut into reads: an
+    event of megabytes (a first chunk with prompt logprobs) that arrives in
+    many reads costs no more than in one, and never blocks the event loop
+    for longer.
+    """
+
+    __slots__ = ("_buf", "_cr", "_scanned")
 
     def __init__(self) -> None:
-        self._buf = b""
+        # The incomplete event, its line endings made \n.
+        self._buf = bytearray()
+        # The last read ended with \r: maybe the first half of a CRLF.
+        self._cr = False
+        # How much of _buf holds no blank line.
+        self._scanned = 0
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events ``chunk`` completes (comments skipped)."""
-        buf = self._buf + chunk
-        held = b""
-        if b"\r" in buf:
-            if buf.endswith(b"\r"):  # may be half of a CRLF
-                buf, held = buf[:-1], b"\r"
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events = buf.split(b"\n\n")
-        self._buf = events[-1] + held
-        return [d for e in events[:-1] if (d := _event_data(e)) is not None]
+        if self._cr:
+            chunk, self._cr = b"\r" + chunk, False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                chunk, self._cr = chunk[:-1], True
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self._buf
+        if buf:
+            buf += chunk
+            # A blank line may begin in the last byte already scanned.
+            if buf.find(b"\n\n", max(self._scanned - 1, 0)) == -1:
+                self._scanned = len(buf)
+                return []
+            chunk = bytes(buf)
+            buf.clear()
+        events = chunk.split(b"\n\n")
+        rest = events.pop()
+        if rest:
+            buf += rest
+        self._scanned = len(rest)
+        return [d for e in events if (d := _event_data(e)) is not None]
 
 
 def _event_data(event: bytes) -> bytes | None:

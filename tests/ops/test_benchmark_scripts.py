@@ -23,6 +23,7 @@ from tests.support.scripts import run_script, script_help
         "bench_ejection.py",
         "bench_fake_engine.py",
         "bench_proxy.py",
+        "bench_sse.py",
     ],
 )
 def test_benchmark_script_starts(script: str) -> None:

@@ -41,7 +41,7 @@ from proxy.metrics import LoopHistogram
 from proxy.policy import least_inflight, power_of_two, prefix_hash, round_robin
 from proxy.routing import Router
 from proxy.served import context_lens
-from proxy.sse import EventReader, First, FirstEventScanner
+from proxy.sse import EventReader, First, FirstEventScanner, _event_data
 from proxy.state import ProxyState
 
 
@@ -979,6 +979,36 @@ def test_event_reader_splits_events_however_the_bytes_are_cut(size):
     for i in range(0, len(stream), size):
         events += reader.feed(stream[i : i + size])
     assert events == [b'{"a": 1}', b"line1\nline2", b"[DONE]"]
+
+
+def _split_whole(stream: bytes) -> list[bytes]:
+    """The events' payloads, splitting the whole stream at once: SSE's line
+    endings are \\n, \\r\\n or \\r, and a blank line ends an event."""
+    text = stream.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return [d for e in text.split(b"\n\n")[:-1] if (d := _event_data(e)) is not None]
+
+
+_LINE = st.tuples(
+    st.sampled_from([b"data: ", b"data:", b": ", b"event: x", b""]),
+    st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+    st.sampled_from([b"\n", b"\r\n", b"\r"]),
+).map(b"".join)
+
+
+@settings(deadline=None)
+@given(
+    lines=st.lists(_LINE, max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=10),
+)
+def test_event_reader_gives_each_event_once_wherever_the_reads_cut_it(lines, cuts):
+    stream = b"".join(lines) + b"\n\n"
+    reader = EventReader()
+    events: list[bytes] = []
+    start = 0
+    for cut in [*sorted(cuts), len(stream)]:
+        events += reader.feed(stream[start:cut])
+        start = max(start, cut)
+    assert events == _split_whole(stream)
 
 
 # ------------------------------------------------------------------- metrics
