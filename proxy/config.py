@@ -452,7 +452,8 @@ class LimitsConfig(_Strict):
         default=64 * 1024 * 1024,
         ge=1024,
         description="Largest backend reply read (prefill JSON, non-streamed "
-        "decode); a larger one fails the attempt",
+        "decode) and most a decode may stream before its first output (held "
+        "for a retry); more fails the attempt",
     )
 
 

@@ -846,6 +846,7 @@ class Flow:
         started = time.monotonic()
         resp: UpstreamResponse | None = None
         scanner = FirstEventScanner()
+        limit = req.config.limits.max_reply_bytes
         try:
             async with asyncio.timeout(first_token_s):
                 resp = await st.upstream.post(
@@ -867,8 +868,18 @@ class Flow:
                 verdict = None
                 async for chunk in resp.content.iter_any():
                     verdict = scanner.feed(chunk)
-                    if verdict is not None:
+                    if verdict is not None or scanner.size > limit:
                         break
+                if verdict is None and scanner.size > limit:
+                    # Held in memory until the first output: bounded as a reply.
+                    resp.close()
+                    self._abort(decode, attempt.id, None)
+                    return self._answered(
+                        "decode_reply_too_large",
+                        f"decode stream exceeds {limit} bytes before its output",
+                        decode,
+                        attempt.prefill,
+                    )
                 if verdict is None:
                     verdict = scanner.at_eof()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -923,25 +934,13 @@ class Flow:
         idle = cfg.timeouts.stream_idle_s
         reader = EventReader()
         reply = Assembler(prompt_token_ids=returns_token_ids(req.body))
-        size = len(first.held)
-        events = reader.feed(first.held)
+        size = 0
+        data = first.held  # then each read, until the stream ends
         done = False
         failure: Failure | None = None
         try:
             async with IdleTimeout(idle, req.loop_deadline()) as timer:
-                while failure is None:
-                    for data in events:
-                        if data.strip() == DONE:
-                            done = True
-                            break
-                        failure = self._stream_event(attempt, data, reply)
-                        if failure is not None:
-                            break
-                    if done or failure is not None:
-                        break
-                    data = await resp.content.readany()
-                    if not data:
-                        break
+                while data:
                     size += len(data)
                     if size > limit:
                         failure = self._answered(
@@ -951,7 +950,16 @@ class Flow:
                             attempt.prefill,
                         )
                         break
-                    events = reader.feed(data)
+                    for event in reader.feed(data):
+                        if event.strip() == DONE:
+                            done = True
+                            break
+                        failure = self._stream_event(attempt, event, reply)
+                        if failure is not None:
+                            break
+                    if done or failure is not None:
+                        break
+                    data = await resp.content.readany()
                     timer.touch()
         except TimeoutError:
             failure = (

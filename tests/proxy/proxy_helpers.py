@@ -282,6 +282,8 @@ class StubEngine:
             if self.events is not None:
                 for event in self.events:
                     await resp.write(b"data: " + event + b"\n\n")
+                    if self.chunk_delay:
+                        await asyncio.sleep(self.chunk_delay)
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
             words = text.split(" ")[1:]

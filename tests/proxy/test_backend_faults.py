@@ -86,6 +86,55 @@ async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
     assert "exceeds 65536 bytes" in body["error"]["message"]
 
 
+def _stream_of(size: int) -> list[bytes]:
+    """One data event whose stream (its event and [DONE]) is ``size`` bytes."""
+    head, tail = b'{"choices": [{"index": 0, "text": "', b'"}]}'
+    framing = len(b"data: \n\n") + len(b"data: [DONE]\n\n")
+    return [head + b"x" * (size - framing - len(head) - len(tail)) + tail]
+
+
+async def test_a_stream_collected_for_a_whole_reply_may_be_max_reply_bytes_long(
+    stubs,
+):
+    p, d = await stubs(), await stubs()
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_reply_bytes": 4096},
+        retry={"backoff_base_s": 0, "max_attempts": 1},
+    )
+    async with running_proxy(config) as px:
+        d.events = _stream_of(4096)
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status == 200, await resp.text()
+        d.events = _stream_of(4097)
+        resp = await px.post("/v1/completions", COMPLETION)
+        assert resp.status >= 500
+        assert "exceeds 4096 bytes" in (await resp.json())["error"]["message"]
+
+
+async def test_a_decode_streaming_more_than_max_reply_bytes_before_its_output_fails(
+    stubs,
+):
+    # The proxy holds what comes before the first output, to retry: in
+    # memory, so bounded as a reply is.
+    p, d = await stubs(), await stubs(chunk_delay=0.001)  # one event per read
+    d.events = [b'{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}'] * 100
+    config = make_config(
+        [p.url],
+        [d.url],
+        limits={"max_reply_bytes": 4096},
+        retry={"backoff_base_s": 0, "max_attempts": 1},
+    )
+    async with running_proxy(config) as px:
+        resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status >= 500
+        message = (await resp.json())["error"]["message"]
+        await asyncio.sleep(0.1)
+    assert "decode stream exceeds 4096 bytes before its output" in message
+    assert len(d.aborts) == 1
+
+
 POISON = {"prompt": [""], "max_tokens": 4}
 
 
