@@ -158,8 +158,11 @@ async def test_requests_no_decode_can_serve_take_no_decode_out_of_service(stubs)
     async with running_proxy(config) as px:
         for _ in range(3):
             resp = await px.post("/v1/completions", POISON)
-            assert resp.status >= 500
-            assert "engine step failed" in (await resp.json())["error"]["message"]
+            message = (await resp.json())["error"]["message"]
+            # Every attempt made, none failing fast: the prefill may be at fault.
+            assert resp.status == 503
+            assert message.startswith("No instance could serve the request")
+            assert "engine step failed" in message
         assert all(i.healthy for i in px.state.all_instances())
         resp = await px.post("/v1/completions", COMPLETION)
         assert resp.status == 200
