@@ -276,7 +276,7 @@ async def test_metrics_expose_the_documented_families(stubs):
 
 @pytest.mark.parametrize("client", ["stream", "as-stream", "whole"])
 async def test_each_leg_and_the_first_token_are_timed_within_the_request(stubs, client):
-    p, d = await stubs(prefill_delay=0.2), await stubs()
+    p, d = await stubs(prefill_delay=0.2), await stubs(chunk_delay=0.01)
     config = make_config(
         [p.url], [d.url], retry={"non_stream_as_stream": client != "whole"}
     )
@@ -293,8 +293,12 @@ async def test_each_leg_and_the_first_token_are_timed_within_the_request(stubs, 
     decode = metric(text, "kvguard_proxy_leg_seconds_sum", leg="decode")
     ttft = metric(text, "kvguard_proxy_ttft_seconds_sum")
     e2e = metric(text, "kvguard_proxy_e2e_seconds_sum")
+    gaps = metric(text, "kvguard_proxy_inter_token_seconds_sum")
     assert prefill >= 0.2 and decode > 0
     assert prefill + decode <= ttft <= e2e <= elapsed
+    assert 0 <= gaps <= e2e - ttft  # between chunks relayed after the first
+    if client == "stream":
+        assert metric(text, "kvguard_proxy_inter_token_seconds_count") >= 1
     for leg in ("prefill", "decode"):
         assert metric(text, "kvguard_proxy_leg_seconds_count", leg=leg) == 1
 
