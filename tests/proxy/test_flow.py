@@ -479,6 +479,20 @@ async def test_every_prefill_down_gives_503_within_the_connect_timeout(stubs):
     assert d.requests == []
 
 
+@pytest.mark.parametrize("status", [300, 302, 500, 503])
+async def test_a_prefill_answering_a_3xx_or_5xx_is_retried_on_another(stubs, status):
+    bad = await stubs("error500", error_status=status)
+    good, d = await stubs(), await stubs()
+    config = make_config([bad.url, good.url], [d.url], retry={"backoff_base_s": 0})
+    async with running_proxy(config) as px:
+        for _ in range(2):  # round robin: one of them starts on ``bad``
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+        metrics = await px.metrics()
+    assert metric(metrics, "kvguard_proxy_retries_total", reason="prefill_5xx") == 1
+    assert all("kv_transfer_params" in body for body in d.bodies())
+
+
 async def test_backend_4xx_goes_back_unchanged_and_is_not_retried(stubs):
     p_bad, p_ok, d = await stubs("bad400"), await stubs(), await stubs()
     async with running_proxy(make_config([p_bad.url, p_ok.url], [d.url])) as px:
