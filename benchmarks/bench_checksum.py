@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from git_baseline import source_at
 
 from engine_patch import checksum_kernel, worker
 from engine_patch.config import KVChecksumConfig
@@ -122,19 +122,12 @@ def best_times(
 def load_baseline(rev: str) -> types.ModuleType | None:
     """``engine_patch.worker`` as of git revision ``rev`` (with its own
     ``checksum_kernel``), or None outside a git checkout that has it."""
-    root = Path(__file__).resolve().parents[1]
     sources = {}
     for name in ("checksum_kernel", "worker"):
-        try:
-            sources[name] = subprocess.run(
-                ["git", "show", f"{rev}:engine_patch/{name}.py"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.CalledProcessError):
+        text = source_at(rev, f"engine_patch/{name}.py")
+        if text is None:
             return None
+        sources[name] = text
     modules = {}
     for name, text in sources.items():
         module = types.ModuleType(f"kvguard_baseline_{name}")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 import types
-from pathlib import Path
+
+from git_baseline import source_at
 
 from proxy import sse
 
@@ -37,16 +37,8 @@ READ = 64 * 1024
 def load_baseline(rev: str) -> types.ModuleType | None:
     """``proxy.sse`` as of git revision ``rev``, or None outside a git
     checkout that has it."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        text = subprocess.run(
-            ["git", "show", f"{rev}:proxy/sse.py"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
+    text = source_at(rev, "proxy/sse.py")
+    if text is None:
         return None
     module = types.ModuleType("kvguard_baseline_sse")
     # Its dataclasses resolve their annotations through sys.modules.

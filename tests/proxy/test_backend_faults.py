@@ -70,15 +70,20 @@ async def test_oversized_prefill_reply_fails_the_attempt_saying_why(stubs, chunk
     )
 
 
+def _one_attempt(p: str, d: str, max_reply_bytes: int) -> ProxyConfig:
+    """One attempt per request (no retry to hide a failure), replies bounded."""
+    return make_config(
+        [p],
+        [d],
+        limits={"max_reply_bytes": max_reply_bytes},
+        retry={"backoff_base_s": 0, "max_attempts": 1},
+    )
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_oversized_decode_reply_fails_saying_why(stubs, chunked):
     p, d = await stubs(), await stubs(pad_bytes=200_000, chunked=chunked)
-    config = make_config(
-        [p.url],
-        [d.url],
-        limits={"max_reply_bytes": 65536},
-        retry={"backoff_base_s": 0, "max_attempts": 1},
-    )
+    config = _one_attempt(p.url, d.url, 65536)
     async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", COMPLETION)
         body = await resp.json()
@@ -97,12 +102,7 @@ async def test_a_stream_collected_for_a_whole_reply_may_be_max_reply_bytes_long(
     stubs,
 ):
     p, d = await stubs(), await stubs()
-    config = make_config(
-        [p.url],
-        [d.url],
-        limits={"max_reply_bytes": 4096},
-        retry={"backoff_base_s": 0, "max_attempts": 1},
-    )
+    config = _one_attempt(p.url, d.url, 4096)
     async with running_proxy(config) as px:
         d.events = _stream_of(4096)
         resp = await px.post("/v1/completions", COMPLETION)
@@ -120,12 +120,7 @@ async def test_a_decode_streaming_more_than_max_reply_bytes_before_its_output_fa
     # memory, so bounded as a reply is.
     p, d = await stubs(), await stubs(chunk_delay=0.001)  # one event per read
     d.events = [b'{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}'] * 100
-    config = make_config(
-        [p.url],
-        [d.url],
-        limits={"max_reply_bytes": 4096},
-        retry={"backoff_base_s": 0, "max_attempts": 1},
-    )
+    config = _one_attempt(p.url, d.url, 4096)
     async with running_proxy(config) as px:
         resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
         assert resp.status >= 500

@@ -1029,24 +1029,33 @@ async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs
 
 
 # retry.non_stream_as_stream off: a non-streamed decode's reply is read whole.
-WHOLE_REPLY = {"non_stream_as_stream": False, "backoff_base_s": 0}
+WHOLE_REPLY = {"non_stream_as_stream": False}
 
 
-@pytest.mark.parametrize("status", [500, 503, 300, 302])
-async def test_a_decode_reply_read_whole_that_fails_is_retried_on_another(
-    stubs, status
-):
-    p = await stubs()
-    bad, good = await stubs("error500", error_status=status), await stubs()
-    config = make_config([p.url], [bad.url, good.url], retry=WHOLE_REPLY)
+async def _retried_past(stubs: Callable[..., Any], bad: StubEngine, **retry: Any):
+    """Two non-streamed requests over ``bad`` and a good decode, in that
+    order: round robin starts one on ``bad``, and it is retried on the good
+    one. Both get the whole text."""
+    p, good = await stubs(), await stubs()
+    config = make_config(
+        [p.url], [bad.url, good.url], retry={"backoff_base_s": 0, **retry}
+    )
     async with running_proxy(config) as px:
-        for _ in range(2):  # round robin: one of them starts on ``bad``
+        for _ in range(2):
             resp = await px.post("/v1/completions", COMPLETION)
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["choices"][0]["text"] == expected_text(
                 "hello world", 6
             )
     assert len(bad.requests) == 1 and len(good.requests) == 2
+
+
+@pytest.mark.parametrize("status", [500, 503, 300, 302])
+async def test_a_decode_reply_read_whole_that_fails_is_retried_on_another(
+    stubs, status
+):
+    bad = await stubs("error500", error_status=status)
+    await _retried_past(stubs, bad, **WHOLE_REPLY)
 
 
 async def test_a_decode_reply_read_whole_with_a_4xx_is_the_clients_answer(stubs):
@@ -1065,16 +1074,8 @@ async def test_a_decode_reply_read_whole_with_a_4xx_is_the_clients_answer(stubs)
 async def test_a_decode_stream_collected_for_a_whole_reply_that_ends_short_is_retried(
     stubs, mode
 ):
-    p, bad, good = await stubs(), await stubs(mode), await stubs()
-    config = make_config([p.url], [bad.url, good.url], retry={"backoff_base_s": 0})
-    async with running_proxy(config) as px:
-        for _ in range(2):  # round robin: one of them starts on ``bad``
-            resp = await px.post("/v1/completions", COMPLETION)
-            assert resp.status == 200, await resp.text()
-            assert (await resp.json())["choices"][0]["text"] == expected_text(
-                "hello world", 6
-            )
-    assert len(bad.requests) == 1 and len(good.requests) == 2
+    bad = await stubs(mode)
+    await _retried_past(stubs, bad)
     # A stream that did not end with [DONE] may still run on the decode.
     await asyncio.sleep(0.1)
     assert len(bad.aborts) == (0 if mode == "abort_late" else 1)
