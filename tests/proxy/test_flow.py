@@ -304,14 +304,10 @@ ERROR_EVENT = b'{"error": {"message": "step failed", "type": "x", "code": 500}}'
 async def test_a_decode_failure_is_retried_and_reported_under_its_reason(
     stubs, bad, reason, message
 ):
-    p, d_bad, d_good = await stubs(), await stubs(**bad), await stubs()
-    config = make_config([p.url], [d_bad.url, d_good.url], retry={"backoff_base_s": 0})
-    async with running_proxy(config) as px:
-        for _ in range(2):  # round robin: one of them starts on ``d_bad``
-            resp = await px.post("/v1/completions", {**COMPLETION, "stream": True})
-            assert await read_sse(resp) == (expected_text("hello world", 6), [])
-        metrics = await px.metrics()
+    d_bad = await stubs(**bad)
+    metrics = await _retried_past(stubs, d_bad, stream=True)
     assert metric(metrics, "kvguard_proxy_retries_total", reason=reason) == 1
+    p = await stubs()
     one_decode = make_config([p.url], [d_bad.url], retry={"max_attempts": 1})
     async with running_proxy(one_decode) as px:
         resp = await px.post("/v1/completions", COMPLETION)
@@ -323,9 +319,8 @@ async def test_decodes_failing_in_different_ways_do_not_fail_the_request_fast(
     stubs,
 ):
     # Only the same failure on two instances says the request is at fault.
-    p, d_5xx, d_event = await stubs(), await stubs("error500"), await stubs()
-    d_event.events = [ERROR_EVENT]
-    d_good = await stubs()
+    p, d_5xx = await stubs(), await stubs("error500")
+    d_event, d_good = await stubs(events=[ERROR_EVENT]), await stubs()
     config = make_config(
         [p.url], [d_5xx.url, d_event.url, d_good.url], retry={"backoff_base_s": 0}
     )
@@ -1032,22 +1027,29 @@ async def test_non_stream_decode_keeps_the_clients_body_when_configured_so(stubs
 WHOLE_REPLY = {"non_stream_as_stream": False}
 
 
-async def _retried_past(stubs: Callable[..., Any], bad: StubEngine, **retry: Any):
-    """Two non-streamed requests over ``bad`` and a good decode, in that
-    order: round robin starts one on ``bad``, and it is retried on the good
-    one. Both get the whole text."""
+async def _retried_past(
+    stubs: Callable[..., Any], bad: StubEngine, stream: bool = False, **retry: Any
+) -> str:
+    """Two requests over ``bad`` and a good decode, in that order: round
+    robin starts one on ``bad``, and it is retried on the good one. Both get
+    the whole text, and no error event; the proxy's metrics are returned."""
     p, good = await stubs(), await stubs()
     config = make_config(
         [p.url], [bad.url, good.url], retry={"backoff_base_s": 0, **retry}
     )
+    body = {**COMPLETION, "stream": True} if stream else COMPLETION
+    text = expected_text("hello world", 6)
     async with running_proxy(config) as px:
         for _ in range(2):
-            resp = await px.post("/v1/completions", COMPLETION)
+            resp = await px.post("/v1/completions", body)
             assert resp.status == 200, await resp.text()
-            assert (await resp.json())["choices"][0]["text"] == expected_text(
-                "hello world", 6
-            )
+            if stream:
+                assert await read_sse(resp) == (text, [])
+            else:
+                assert (await resp.json())["choices"][0]["text"] == text
+        metrics = await px.metrics()
     assert len(bad.requests) == 1 and len(good.requests) == 2
+    return metrics
 
 
 @pytest.mark.parametrize("status", [500, 503, 300, 302])
