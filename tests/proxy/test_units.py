@@ -525,6 +525,7 @@ def test_an_abort_before_any_output_is_aborted_not_data(event):
         # Read whole (a token is "role"), still an empty completion chunk.
         b'{"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["role"]}}]}',
         b'{"role": [1], "choices": "x"}',
+        b'{"role": "assistant", "choices": []}',
     ],
 )
 def test_any_output_or_unknown_shape_is_data(event):
