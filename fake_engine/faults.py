@@ -174,11 +174,14 @@ def _truncate(
     block_size: int,
     _: StaleSource,
 ) -> str:
-    last = cdiv(num_tokens, block_size) - 1
+    # The last block the consumer uses: the request's last block may hold
+    # only its last prompt token, which the consumer recomputes.
+    last = _used_blocks(num_tokens, block_size) - 1
     start = last * block_size
-    cut = start + (num_tokens - start) // 2
+    used = min(max(1, num_tokens - 1), start + block_size)
+    cut = start + (used - start) // 2
     kv[cut : start + block_size] = 0
-    return f"truncated the last block {last} after {cut - start} tokens"
+    return f"truncated block {last} after {cut - start} tokens"
 
 
 def _shift(

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.faults import Fault, FaultInjector
@@ -116,16 +118,25 @@ def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
 
 
 @pytest.mark.parametrize("kind", [k for k in FaultKind if k.corrupts])
-def test_each_corruption_changes_kv_the_consumer_uses(kind: FaultKind) -> None:
+@settings(deadline=None, max_examples=40)
+@given(
+    num_tokens=st.integers(min_value=2, max_value=70),
+    block_size=st.sampled_from([1, 2, 3, 16, 32]),
+    seed=st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_each_corruption_changes_kv_the_consumer_uses(
+    kind: FaultKind, num_tokens: int, block_size: int, seed: int
+) -> None:
     model = FakeModel(EngineConfig())
-    num_tokens = 40
     kv = model.kv(model.prefix_hashes(encode("k" * num_tokens), None))
-    padded = torch.zeros((48, *kv.shape[1:]), dtype=kv.dtype)
+    assert kv.shape[0] == num_tokens
+    slots = -(-num_tokens // block_size) * block_size
+    padded = torch.zeros((slots, *kv.shape[1:]), dtype=kv.dtype)
     padded[:num_tokens] = kv
-    stale = model.kv(model.prefix_hashes(encode("s" * 16), None))
+    stale = model.kv(model.prefix_hashes(encode("s" * block_size), None))
     corrupted = padded.clone()
     FaultInjector.corrupt(
-        Fault(kind, 7), corrupted, num_tokens, 16, lambda n: stale[:n]
+        Fault(kind, seed), corrupted, num_tokens, block_size, lambda n: stale[:n]
     )
     # The last prompt token is recomputed by the consumer: not counted.
     assert not torch.equal(corrupted[: num_tokens - 1], padded[: num_tokens - 1])
