@@ -373,8 +373,11 @@ class PoolChanges(RuleBasedStateMachine):
                 assert after[key].drained == seen.drained, (
                     f"url: instance {key} drained or undrained by DNS"
                 )
-            elif seen.discovered_by not in answered and not self.departed(seen.inst):
-                # A failed lookup keeps the addresses last seen, as they were.
+            elif seen.discovered_by not in answered and not self.departed(
+                seen.inst, seen.discovered_by
+            ):
+                # A failed lookup keeps the addresses last seen, as they were
+                # (the instance object may have a new name now).
                 assert key in after, f"{key} dropped by a failed lookup"
                 assert after[key].inst is seen.inst
                 assert after[key].drained == seen.drained
@@ -590,6 +593,20 @@ class PoolChanges(RuleBasedStateMachine):
                 assert inst.drained == expected, (inst, inst.drained)
 
     @invariant()
+    def an_address_any_name_of_its_pool_has_is_in_rotation(self) -> None:
+        """Whichever name found it: while another name of the pool last
+        answered it, it is that name's, not drained (unless by the admin)."""
+        if self.client is None:
+            return
+        assert self.file is not None
+        for inst in self.listed():
+            names = self.file.pool(inst.role).names
+            if inst.discovered_by is not None and any(
+                inst.url in self.last_answer.get(n, ()) for n in names
+            ):
+                assert inst.drained == (inst.key in self.admin_drained), inst
+
+    @invariant()
     def an_admin_drain_holds(self) -> None:
         if self.client is None:
             return
@@ -687,3 +704,23 @@ def test_a_reload_dropping_the_name_that_found_an_address_hands_it_over() -> Non
         machine.reload(decodes_by_dns(frozenset({remaining})))
         assert machine.state.find(URLS[0], "decode") == [found]
         assert found.discovered_by == remaining and not found.removed
+
+
+def test_a_draining_address_another_name_answers_is_taken_over() -> None:
+    """The name that found an address dropped it (drained, a request still
+    on it); the pool's other name then answers it while the first name's
+    lookup fails. The other name takes it over, live state and all, back
+    in rotation, and not reaped when its request ends."""
+    with started(decodes_by_dns(frozenset(NAMES))) as machine:
+        machine.discovery_round({"b.kv.test": frozenset({ADDRESSES[0]})})
+        (found,) = machine.state.find(URLS[0], "decode")
+        hold(machine, found)
+        machine.discovery_round({"b.kv.test": frozenset()})
+        assert found.drained
+        machine.discovery_round(
+            {"a.kv.test": frozenset({ADDRESSES[0]}), "b.kv.test": None}
+        )
+        assert found.discovered_by == NAMES[0] and not found.drained
+        machine.request_finishes(0)
+        machine.discovery_round({})
+        assert machine.state.find(URLS[0], "decode") == [found]
