@@ -104,6 +104,9 @@ def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
     data = bytearray(b"".join(bytes(part) for part in encode_kv(header, kv)))
     got_header, got = decode_kv(data, header)
     assert got_header == header and torch.equal(got, kv)
+    full = KVHeader(1, "eng", "req", 32, 16, 2, 2, 2, 16, "float16")
+    data_full = bytearray(b"".join(bytes(part) for part in encode_kv(full, kv)))
+    assert decode_kv(data_full, full)[0].num_tokens == 32
     other = KVHeader(1, "", "", 0, 16, 0, 3, 2, 16, "float16")
     with pytest.raises(TransferError, match="not this model's"):
         decode_kv(data, other)
@@ -115,6 +118,21 @@ def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
     assert decode_pull_request(encode_pull_request(pull)) == pull
     with pytest.raises(TransferError):
         decode_pull_request(b"garbage")
+    for no_blocks in ([], [[]], [[1], []]):
+        with pytest.raises(TransferError, match="no blocks"):
+            decode_pull_request(encode_pull_request(PullRequest("e", "r", no_blocks)))
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 33])
+def test_kv_answer_claiming_tokens_its_blocks_cannot_hold_is_refused(
+    num_tokens: int,
+) -> None:
+    model = FakeModel(EngineConfig())
+    kv = model.kv(model.prefix_hashes(encode("x" * 32), None))
+    header = KVHeader(1, "eng", "req", num_tokens, 16, 2, 2, 2, 16, "float16")
+    data = bytearray(b"".join(bytes(part) for part in encode_kv(header, kv)))
+    with pytest.raises(TransferError, match="token count"):
+        decode_kv(data, header)
 
 
 @pytest.mark.parametrize("kind", [k for k in FaultKind if k.corrupts])
