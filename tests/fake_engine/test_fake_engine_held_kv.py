@@ -12,7 +12,14 @@ import aiohttp
 import pytest
 from aiohttp import ClientConnectionResetError, StreamReader
 from aiohttp.test_utils import make_mocked_request
-from fake_engine_helpers import COMPLETIONS, completion_body, metric, post, prefill
+from fake_engine_helpers import (
+    COMPLETIONS,
+    completion_body,
+    metric,
+    post,
+    post_bytes,
+    prefill,
+)
 
 from fake_engine.config import Role
 from fake_engine.request import RemoteSource
@@ -45,6 +52,39 @@ async def test_held_blocks_drop_to_zero_after_the_pull(
             {**completion_body(), "kv_transfer_params": params},
         )
         assert status == 500 and "404" in answer["error"]["message"]
+
+
+async def test_a_producer_refuses_pulls_it_cannot_serve_and_keeps_the_kv(
+    session: aiohttp.ClientSession,
+) -> None:
+    # A lease of 10 s: expiry runs every second, so the KV must still be
+    # held after one tick, not released at it.
+    async with fake_engines(EngineSpec(role=Role.PRODUCER, lease_s=10.0)) as urls:
+        params = await prefill(session, urls[0], COMPLETIONS, completion_body())
+        source = RemoteSource.from_params(params)
+        assert source is not None
+        held = await metric(session, urls[0], HELD)
+        (blocks,) = source.block_ids
+        refused = {
+            409: PullRequest("another-engine", source.request_id, [blocks]),
+            404: PullRequest(source.engine_id, "no-such-request", [blocks]),
+            400: PullRequest(source.engine_id, source.request_id, [[max(blocks) + 1]]),
+        }
+        two_groups = PullRequest(source.engine_id, source.request_id, [blocks, blocks])
+        for status, pull in [*refused.items(), (400, two_groups)]:
+            answer = await post_bytes(
+                session, urls[0] + PULL_PATH, encode_pull_request(pull)
+            )
+            assert answer[0] == status, (pull, answer)
+        await asyncio.sleep(1.2)
+        assert await metric(session, urls[0], HELD) == held
+        pull = PullRequest(source.engine_id, source.request_id, [blocks])
+        async with session.post(
+            urls[0] + PULL_PATH, data=encode_pull_request(pull)
+        ) as response:
+            assert response.status == 200
+            assert len(await response.read()) > 0
+        assert await metric(session, urls[0], HELD) == 0
 
 
 @pytest.mark.parametrize("by", ["caller-id", "remote-request-id"])
