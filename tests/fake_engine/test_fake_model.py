@@ -160,6 +160,55 @@ def test_each_corruption_changes_kv_the_consumer_uses(
     assert not torch.equal(corrupted[: num_tokens - 1], padded[: num_tokens - 1])
 
 
+def _corrupted(
+    kind: FaultKind, num_tokens: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's KV in whole blocks, and the same KV corrupted by ``kind``."""
+    model = FakeModel(EngineConfig())
+    kv = model.kv(model.prefix_hashes(encode("k" * num_tokens), None))
+    slots = -(-num_tokens // block_size) * block_size
+    padded = torch.zeros((slots, *kv.shape[1:]), dtype=kv.dtype)
+    padded[:num_tokens] = kv
+    corrupted = padded.clone()
+    FaultInjector.corrupt(
+        Fault(kind, 3), corrupted, num_tokens, block_size, lambda n: padded[:n]
+    )
+    return padded, corrupted
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_size", "unit"), [(20, 16, 16), (40, 16, 16), (3, 16, 1)]
+)
+def test_swap_exchanges_two_blocks_or_a_lone_blocks_first_two_tokens(
+    num_tokens: int, block_size: int, unit: int
+) -> None:
+    padded, corrupted = _corrupted(FaultKind.SWAP, num_tokens, block_size)
+    parts = range(0, padded.shape[0], unit)
+    changed = [
+        i
+        for i in parts
+        if not torch.equal(corrupted[i : i + unit], padded[i : i + unit])
+    ]
+    assert len(changed) == 2, changed
+    a, b = (slice(i, i + unit) for i in changed)
+    assert torch.equal(corrupted[a], padded[b]) and torch.equal(corrupted[b], padded[a])
+    if unit == 1:
+        assert changed == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_size", "unit"),
+    [(40, 16, 16), (20, 16, 16), (3, 16, 1), (2, 1, 1), (9, 16, 1)],
+)
+def test_shift_moves_kv_down_one_block_or_a_lone_blocks_tokens_down_one(
+    num_tokens: int, block_size: int, unit: int
+) -> None:
+    padded, corrupted = _corrupted(FaultKind.SHIFT, num_tokens, block_size)
+    end = padded.shape[0] if unit > 1 or block_size == 1 else num_tokens
+    assert torch.equal(corrupted[: end - unit], padded[unit:end])
+    assert not corrupted[end - unit : end].any()
+
+
 def test_fault_injector_honours_side_rate_and_count() -> None:
     injector = FaultInjector(FaultConfig(FaultKind.ZERO, FaultSide.CONSUMER, count=2))
     assert injector.draw(FaultSide.PRODUCER).kind is FaultKind.NONE
