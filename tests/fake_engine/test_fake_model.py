@@ -23,6 +23,7 @@ from fake_engine.tokenizer import (
 )
 from fake_engine.transfer import (
     KVHeader,
+    KVPuller,
     PullRequest,
     TransferError,
     decode_kv,
@@ -121,6 +122,16 @@ def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
     for no_blocks in ([], [[]], [[1], []]):
         with pytest.raises(TransferError, match="no blocks"):
             decode_pull_request(encode_pull_request(PullRequest("e", "r", no_blocks)))
+
+
+async def test_a_puller_closes_its_connections() -> None:
+    puller = KVPuller()
+    await puller.close()  # before start: nothing to close
+    await puller.start()
+    session = puller._session
+    assert session is not None and not session.closed
+    await puller.close()
+    assert session.closed
 
 
 @pytest.mark.parametrize("num_tokens", [-1, 33])
