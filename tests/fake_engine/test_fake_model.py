@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.faults import Fault, FaultInjector
+from fake_engine.kv_cache import BlockPool, KVCacheManager
 from fake_engine.model import FakeModel
 from fake_engine.tokenizer import (
     EOS_TOKEN_ID,
@@ -95,6 +96,27 @@ def test_a_flipped_bit_in_the_cache_changes_the_digest() -> None:
     kv[3, 1, 0, 1].view(torch.uint8)[5] ^= 4
     assert not torch.equal(model.head_digests(kv, heads)[3], clean[3])
     assert torch.equal(model.head_digests(kv, heads)[:3], clean[:3])
+
+
+def test_the_block_pool_hands_out_every_block_and_reuses_the_first_freed() -> None:
+    pool = BlockPool(5)  # block 0 is the null block
+    blocks = pool.allocate(4)
+    assert blocks is not None and [b.block_id for b in blocks] == [1, 2, 3, 4]
+    assert pool.allocate(1) is None and pool.num_free == 0
+    pool.free(blocks[2:])
+    assert pool.recently_freed(exclude=set()) == 4
+    assert [b.block_id for b in pool.allocate(1) or []] == [3]
+    assert pool.recently_freed(exclude={4}) is None
+
+
+def test_a_block_table_grows_whole_or_not_at_all() -> None:
+    manager = KVCacheManager(BlockPool(4), block_size=16)
+    assert manager.allocate_slots("a", 17) and manager.block_ids("a") == [1, 2]
+    assert manager.allocate_slots("a", 32) and manager.num_blocks("a") == 2
+    assert not manager.allocate_slots("b", 33)  # 3 blocks, 1 free
+    assert manager.num_blocks("b") == 0 and manager.pool.num_free == 1
+    assert manager.slots("a", 15, 18).tolist() == [31, 32, 33]
+    assert manager.free("a") == 2 and manager.pool.num_free == 3
 
 
 def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
