@@ -115,6 +115,8 @@ def test_a_block_table_grows_whole_or_not_at_all() -> None:
     assert manager.allocate_slots("a", 32) and manager.num_blocks("a") == 2
     assert not manager.allocate_slots("b", 33)  # 3 blocks, 1 free
     assert manager.num_blocks("b") == 0 and manager.pool.num_free == 1
+    assert not manager.allocate_slots("a", 64)  # 2 more blocks, 1 free
+    assert manager.block_ids("a") == [1, 2] and manager.pool.num_free == 1
     assert manager.slots("a", 15, 18).tolist() == [31, 32, 33]
     assert manager.free("a") == 2 and manager.pool.num_free == 3
 
