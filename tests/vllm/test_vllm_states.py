@@ -30,7 +30,7 @@ from engine_patch.vllm.host import (
     convert_kv_cache_config,
     kv_layers,
 )
-from engine_patch.vllm.states import state_shards
+from engine_patch.vllm.states import model_n_groups, state_shards
 from engine_patch.worker import KVChecksumWorker, KVStateLayer
 
 pytestmark = pytest.mark.vllm
@@ -263,12 +263,44 @@ def test_the_sd_conv_layout_leaves_the_split_unknown(
     assert state_shards(mamba2_spec(2), 2, 0, N_GROUPS) is None
 
 
-def test_state_kinds_connectors_do_not_move_whole_fail_closed() -> None:
+def test_one_rank_needs_no_group_count_to_know_its_share() -> None:
+    assert state_shards(mamba2_spec(1), 1, 0, None) is not None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "n_groups"),
+    [
+        ({"mamba_n_groups": 0, "n_groups": 4}, 4),
+        ({"mamba_n_groups": "4", "mamba_ngroups": 2}, 2),
+        ({"n_groups": -1}, None),
+        ({}, None),
+    ],
+)
+def test_the_group_count_is_the_first_positive_count_the_model_names(
+    attrs: dict[str, Any], n_groups: int | None
+) -> None:
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**attrs))
+    )
+    assert model_n_groups(config) == n_groups  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kind", "shapes"),
+    [
+        (MambaAttentionBackendEnum.SHORT_CONV, ((3, 64),)),
+        (MambaAttentionBackendEnum.SHORT_CONV, ((3, 64), (8, 8, 16))),
+        (MambaAttentionBackendEnum.MAMBA2, ((3, 64),)),
+    ],
+)
+def test_state_kinds_connectors_do_not_move_whole_fail_closed(
+    kind: MambaAttentionBackendEnum, shapes: tuple[tuple[int, ...], ...]
+) -> None:
     spec = MambaSpec(
         block_size=MAX_MODEL_LEN,
-        shapes=((3, 64),),
-        dtypes=(torch.bfloat16,),
-        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+        shapes=shapes,
+        dtypes=(torch.bfloat16,) * len(shapes),
+        mamba_type=kind,
     )
     with pytest.raises(UnsupportedKVCacheError, match="MambaSpec"):
         convert_kv_cache_config(kv_config(spec), fail_closed=True)
