@@ -199,15 +199,22 @@ def consumer_params(
 
 
 def worker_record(
-    checksums: dict[str, np.ndarray], tp_rank: int = 0
+    checksums: dict[str, np.ndarray],
+    tp_rank: int = 0,
+    starts: dict[str, int] | None = None,
 ) -> KVChecksumRecord:
     """One worker's record (TP rank ``tp_rank``, PP 1): per request, its
-    checksums of the request's blocks from position 0."""
+    checksums of the request's blocks from position 0 (or ``starts``'s)."""
+    starts = starts or {}
     return KVChecksumRecord(
         pp_rank=0,
         tp_rank=tp_rank,
         checksums={
-            req_id: {0: KVChecksumGroup(0, [(1, 0)], values.reshape(-1, 1).copy())}
+            req_id: {
+                0: KVChecksumGroup(
+                    starts.get(req_id, 0), [(1, 0)], values.reshape(-1, 1).copy()
+                )
+            }
             for req_id, values in checksums.items()
         },
         fingerprints={0: FINGERPRINT},
@@ -226,6 +233,8 @@ class Workers:
     held: set[str] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
     checksums: dict[str, np.ndarray] = field(default_factory=dict)
+    # The block position each request's checksums start at (default 0).
+    starts: dict[str, int] = field(default_factory=dict)
     kvguard: bool = True
     # Requests the step prefilled a chunk of, not the prompt's last: no
     # token sampled.
@@ -235,7 +244,11 @@ class Workers:
         meta = None
         checksummed = (self.finished_recving - self.failed_recving) | self.held
         if self.kvguard and (self.checksums or checksummed):
-            record = worker_record(self.checksums) if self.checksums else None
+            record = (
+                worker_record(self.checksums, starts=self.starts)
+                if self.checksums
+                else None
+            )
             meta = KVGuardWorkerMetadata(
                 None, [WorkerReport(record, sorted(checksummed))]
             )

@@ -130,6 +130,30 @@ def test_with_the_scheduler_class_a_clean_load_is_scheduled_in_the_next_step() -
     assert token
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_a_load_after_a_local_prefix_hit_is_verified_from_its_first_loaded_block(
+    corrupt: bool,
+) -> None:
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_consumer"))
+    prompt = [2 + i % 400 for i in range(NUM_TOKENS)]
+    # A local request caches the prompt's first two blocks (64 tokens).
+    scheduler.add_request(request("local", 70, None, max_tokens=1, prompt=prompt))
+    while "local" in scheduler.requests:
+        step(scheduler)
+    params = consumer_params(NUM_TOKENS, CHECKSUMS)
+    scheduler.add_request(request("r1", NUM_TOKENS, params, prompt=prompt))
+    step(scheduler)
+    # The workers checksum what they loaded: blocks 2 and 3.
+    loaded = (corrupted() if corrupt else CHECKSUMS)[2:]
+    workers = Workers(
+        finished_recving={"r1"}, checksums={"r1": loaded}, starts={"r1": 2}
+    )
+    _, outputs = step(scheduler, workers)
+    counts = kvguard_counts(outputs)
+    assert (counts["verified"], counts["mismatch"]) == (int(not corrupt), int(corrupt))
+    assert not counts["unverified"]
+
+
 def test_with_the_scheduler_class_recompute_reschedules_the_whole_prompt() -> None:
     config = vllm_config("kv_consumer", policy="recompute")
     scheduler = make_scheduler(KVGuardScheduler, config)
