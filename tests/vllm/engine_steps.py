@@ -67,6 +67,7 @@ def vllm_config(
     role: str,
     *,
     fail_closed: bool = True,
+    checksums: bool = True,
     policy: str = "fail",
     connector: str = "KVGuardConnector",
     block_size: int = BLOCK_SIZE,
@@ -75,8 +76,8 @@ def vllm_config(
     prompts_per_step: int = 1,
     inner: dict[str, Any] | None = None,
 ) -> VllmConfig:
-    """A CPU engine's config for the tiny model with KVGuard (fail-closed by
-    default) around NIXL (or the ``inner`` connector config); one step
+    """A CPU engine's config for the tiny model with KVGuard (checksums on,
+    fail-closed by default) around NIXL (or the ``inner`` connector config); one step
     prefills ``prompts_per_step`` whole prompts."""
     transfer: dict[str, Any] = {
         "kv_role": role,
@@ -89,7 +90,9 @@ def vllm_config(
         transfer |= {
             "kv_connector": connector,
             "kv_connector_module_path": "engine_patch.vllm",
-            "kv_connector_extra_config": {"kv_checksums": {"fail_closed": fail_closed}},
+            "kv_connector_extra_config": {
+                "kv_checksums": {"enabled": checksums, "fail_closed": fail_closed}
+            },
         }
         if inner is not None:
             transfer["kv_connector_extra_config"]["inner"] = inner

@@ -41,6 +41,7 @@ def test_a_consumer_holds_nothing_of_loads_that_ended_in_any_way(
         sched.add_request(request(req_id, N, dict(params), max_tokens=1))
     sched.finish_requests("aborted before its load", RequestStatus.FINISHED_ABORTED)
     run_step(sched, workers, aggregator, {})  # the loads start
+    assert held(sched, workers)[0] >= set(loads), "the loads' state not held"
     sched.finish_requests("aborted mid-load", RequestStatus.FINISHED_ABORTED)
     run_step(
         sched,

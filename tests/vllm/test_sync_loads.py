@@ -50,6 +50,7 @@ def example_scheduler(
     cls: type[Scheduler],
     *,
     fail_closed: bool = True,
+    checksums: bool = True,
     policy: str = "fail",
 ) -> Scheduler:
     """A consumer with KVGuard around vLLM's ExampleConnector, which loads a
@@ -59,7 +60,11 @@ def example_scheduler(
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
     }
     config = vllm_config(
-        "kv_consumer", fail_closed=fail_closed, policy=policy, inner=inner
+        "kv_consumer",
+        fail_closed=fail_closed,
+        checksums=checksums,
+        policy=policy,
+        inner=inner,
     )
     return make_scheduler(cls, config)
 
@@ -198,6 +203,18 @@ def test_a_sync_load_of_a_request_of_no_pd_pair_is_not_checked(
     prefix cache hit)."""
     scheduler = example_scheduler(tmp_path, cls)
     scheduler.add_request(stored(scheduler, request("r1", NUM_TOKENS, None)))
+    output, engine_outputs = step(scheduler)
+    assert output.num_scheduled_tokens == {"r1": NUM_TOKENS - LOADED}
+    assert not kvguard_counts(engine_outputs)
+    assert new_tokens(engine_outputs)
+
+
+@pytest.mark.parametrize("cls", [KVGuardScheduler, Scheduler])
+def test_with_checksums_off_a_sync_load_goes_ahead_unchecked(
+    tmp_path: Path, cls: type[Scheduler]
+) -> None:
+    scheduler = example_scheduler(tmp_path, cls, checksums=False)
+    scheduler.add_request(consumer(scheduler))
     output, engine_outputs = step(scheduler)
     assert output.num_scheduled_tokens == {"r1": NUM_TOKENS - LOADED}
     assert not kvguard_counts(engine_outputs)
