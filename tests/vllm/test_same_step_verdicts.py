@@ -9,6 +9,7 @@ checksums the consumer's workers either match or not.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -17,11 +18,13 @@ import pytest
 from engine_steps import (
     Workers,
     block_checksums,
+    consume,
     consumer_params,
     finished,
     kvguard_counts,
     kvguard_metadata,
     make_scheduler,
+    produce,
     request,
     runner_output,
     scheduled_ids,
@@ -154,6 +157,20 @@ def test_a_load_after_a_local_prefix_hit_is_verified_from_its_first_loaded_block
     assert not counts["unverified"]
 
 
+def test_with_the_scheduler_class_a_failed_transfer_is_vllms_failure_not_kvguards() -> (
+    None
+):
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config("kv_consumer"))
+    start_load(scheduler)
+    failed = Workers(finished_recving={"r1"}, failed_recving={"r1"})
+    _, outputs = step(scheduler, failed)
+    assert finished(outputs) == {"r1": FinishReason.ERROR}
+    counts = kvguard_counts(outputs)
+    # Nothing to verify: not a mismatch, nor a load KVGuard failed.
+    assert not counts.get("mismatch") and not counts.get("unverified"), counts
+    assert "r1" not in counts.get("failed_requests", {}), counts
+
+
 def test_with_the_scheduler_class_recompute_reschedules_the_whole_prompt() -> None:
     config = vllm_config("kv_consumer", policy="recompute")
     scheduler = make_scheduler(KVGuardScheduler, config)
@@ -207,6 +224,26 @@ def test_connector_only_the_workers_hold_each_load_for_its_verdict() -> None:
         output, runner_output(output, released.connector_output())
     )
     assert finished(outputs) == {"r1": FinishReason.ERROR}
+
+
+def test_connector_only_a_clean_loads_verdict_releases_it() -> None:
+    scheduler = make_scheduler(Scheduler, vllm_config("kv_consumer"))
+    start_load(scheduler)
+    step(scheduler, Workers(held={"r1"}, checksums={"r1": CHECKSUMS}))
+    output = scheduler.schedule()
+    assert kvguard_metadata(output).verdicts == {"r1": False}
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_the_scheduler_sides_own_seconds_fit_in_its_steps(role: str) -> None:
+    scheduler = make_scheduler(KVGuardScheduler, vllm_config(role))
+    start = time.perf_counter()
+    if role == "kv_producer":
+        counts = produce(scheduler, "p", NUM_TOKENS)
+    else:
+        counts = consume(scheduler, "c", NUM_TOKENS)
+    elapsed = time.perf_counter() - start
+    assert 0 < counts["scheduler_seconds"] < elapsed
 
 
 def test_the_connector_logs_its_mode_at_startup(

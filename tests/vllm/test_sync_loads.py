@@ -219,3 +219,20 @@ def test_with_checksums_off_a_sync_load_goes_ahead_unchecked(
     assert output.num_scheduled_tokens == {"r1": NUM_TOKENS - LOADED}
     assert not kvguard_counts(engine_outputs)
     assert new_tokens(engine_outputs)
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_fail_open_a_mismatched_sync_loads_blocks_leave_the_prefix_cache(
+    tmp_path: Path, corrupt: bool
+) -> None:
+    """vLLM cached the blocks when it allocated them, before the load."""
+    scheduler = example_scheduler(tmp_path, KVGuardScheduler, fail_closed=False)
+    req = consumer(scheduler)
+    scheduler.add_request(req)
+    loaded = corrupted() if corrupt else LOADED_CHECKSUMS
+    _, engine_outputs = step(scheduler, Workers(checksums={"r1": loaded}))
+    assert kvguard_counts(engine_outputs)["mismatch"] == int(corrupt)
+    assert new_tokens(engine_outputs)  # fail-open: the request goes on
+    later = request("later", NUM_TOKENS, None, prompt=list(req.prompt_token_ids))
+    _, hit, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
+    assert hit == (0 if corrupt else LOADED)
