@@ -868,18 +868,18 @@ class Flow:
                 verdict = None
                 async for chunk in resp.content.iter_any():
                     verdict = scanner.feed(chunk)
-                    if verdict is not None or scanner.size > limit:
+                    if verdict is not None:
                         break
-                if verdict is None and scanner.size > limit:
-                    # Held in memory until the first output: bounded as a reply.
-                    resp.close()
-                    self._abort(decode, attempt.id, None)
-                    return self._answered(
-                        "decode_reply_too_large",
-                        f"decode stream exceeds {limit} bytes before its output",
-                        decode,
-                        attempt.prefill,
-                    )
+                    if scanner.size > limit:
+                        # Held in memory until the first output: bounded as a reply.
+                        resp.close()
+                        self._abort(decode, attempt.id, None)
+                        return self._answered(
+                            "decode_reply_too_large",
+                            f"decode stream exceeds {limit} bytes before its output",
+                            decode,
+                            attempt.prefill,
+                        )
                 if verdict is None:
                     verdict = scanner.at_eof()
         except (TimeoutError, aiohttp.ClientError) as exc:
