@@ -121,16 +121,20 @@ def test_a_block_table_grows_whole_or_not_at_all() -> None:
     assert manager.free("a") == 2 and manager.pool.num_free == 3
 
 
-def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
-    config = EngineConfig()
-    model = FakeModel(config)
+def _kv_answer(num_tokens: int) -> tuple[KVHeader, torch.Tensor, bytearray]:
+    """A pull's answer of two blocks of 16 (32 slots of the default model)
+    for ``num_tokens`` tokens: its header, its KV and its bytes."""
+    model = FakeModel(EngineConfig())
     kv = model.kv(model.prefix_hashes(encode("x" * 32), None))
-    header = KVHeader(1, "eng", "req", 30, 16, 2, 2, 2, 16, "float16")
-    data = bytearray(b"".join(bytes(part) for part in encode_kv(header, kv)))
+    header = KVHeader(1, "eng", "req", num_tokens, 16, 2, 2, 2, 16, "float16")
+    return header, kv, bytearray(b"".join(bytes(p) for p in encode_kv(header, kv)))
+
+
+def test_kv_wire_format_round_trips_and_refuses_other_models() -> None:
+    header, kv, data = _kv_answer(30)
     got_header, got = decode_kv(data, header)
     assert got_header == header and torch.equal(got, kv)
-    full = KVHeader(1, "eng", "req", 32, 16, 2, 2, 2, 16, "float16")
-    data_full = bytearray(b"".join(bytes(part) for part in encode_kv(full, kv)))
+    full, _, data_full = _kv_answer(32)
     assert decode_kv(data_full, full)[0].num_tokens == 32
     other = KVHeader(1, "", "", 0, 16, 0, 3, 2, 16, "float16")
     with pytest.raises(TransferError, match="not this model's"):
@@ -162,10 +166,7 @@ async def test_a_puller_closes_its_connections() -> None:
 def test_kv_answer_claiming_tokens_its_blocks_cannot_hold_is_refused(
     num_tokens: int,
 ) -> None:
-    model = FakeModel(EngineConfig())
-    kv = model.kv(model.prefix_hashes(encode("x" * 32), None))
-    header = KVHeader(1, "eng", "req", num_tokens, 16, 2, 2, 2, 16, "float16")
-    data = bytearray(b"".join(bytes(part) for part in encode_kv(header, kv)))
+    header, _, data = _kv_answer(num_tokens)
     with pytest.raises(TransferError, match="token count"):
         decode_kv(data, header)
 
@@ -180,6 +181,16 @@ def test_kv_answer_claiming_tokens_its_blocks_cannot_hold_is_refused(
 def test_each_corruption_changes_kv_the_consumer_uses(
     kind: FaultKind, num_tokens: int, block_size: int, seed: int
 ) -> None:
+    padded, corrupted = _corrupted(kind, num_tokens, block_size, seed)
+    # The last prompt token is recomputed by the consumer: not counted.
+    assert not torch.equal(corrupted[: num_tokens - 1], padded[: num_tokens - 1])
+
+
+def _corrupted(
+    kind: FaultKind, num_tokens: int, block_size: int, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's KV in whole blocks, and the same KV corrupted by ``kind``
+    (stale KV from another prompt)."""
     model = FakeModel(EngineConfig())
     kv = model.kv(model.prefix_hashes(encode("k" * num_tokens), None))
     assert kv.shape[0] == num_tokens
@@ -190,23 +201,6 @@ def test_each_corruption_changes_kv_the_consumer_uses(
     corrupted = padded.clone()
     FaultInjector.corrupt(
         Fault(kind, seed), corrupted, num_tokens, block_size, lambda n: stale[:n]
-    )
-    # The last prompt token is recomputed by the consumer: not counted.
-    assert not torch.equal(corrupted[: num_tokens - 1], padded[: num_tokens - 1])
-
-
-def _corrupted(
-    kind: FaultKind, num_tokens: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt's KV in whole blocks, and the same KV corrupted by ``kind``."""
-    model = FakeModel(EngineConfig())
-    kv = model.kv(model.prefix_hashes(encode("k" * num_tokens), None))
-    slots = -(-num_tokens // block_size) * block_size
-    padded = torch.zeros((slots, *kv.shape[1:]), dtype=kv.dtype)
-    padded[:num_tokens] = kv
-    corrupted = padded.clone()
-    FaultInjector.corrupt(
-        Fault(kind, 3), corrupted, num_tokens, block_size, lambda n: padded[:n]
     )
     return padded, corrupted
 
