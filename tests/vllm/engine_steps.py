@@ -77,8 +77,8 @@ def vllm_config(
     inner: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A CPU engine's config for the tiny model with KVGuard (checksums on,
-    fail-closed by default) around NIXL (or the ``inner`` connector config); one step
-    prefills ``prompts_per_step`` whole prompts."""
+    fail-closed by default) around NIXL (or the ``inner`` connector
+    config); one step prefills ``prompts_per_step`` whole prompts."""
     transfer: dict[str, Any] = {
         "kv_role": role,
         "kv_buffer_device": "cpu",
@@ -166,6 +166,14 @@ def request(
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, _hash_fn),
     )
+
+
+def cached_tokens(scheduler: Scheduler, tokens: list[int]) -> int:
+    """How many of a new local request's prompt tokens vLLM's prefix cache
+    would serve it."""
+    later = request("later", len(tokens), None, prompt=tokens)
+    _, num_hit_tokens, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
+    return int(num_hit_tokens)
 
 
 def block_checksums(

@@ -16,6 +16,7 @@ from engine_steps import (
     BLOCK_SIZE,
     Workers,
     block_checksums,
+    cached_tokens,
     consumer_params,
     kvguard_counts,
     make_scheduler,
@@ -75,14 +76,6 @@ def run_load(scheduler: Scheduler, num_tokens: int, corrupt: bool) -> list[int]:
     # Fail-open: the request decoded all its tokens, whatever the verdict.
     assert len(loaded.output_token_ids) == MAX_TOKENS
     return list(loaded.all_token_ids)
-
-
-def cached_tokens(scheduler: Scheduler, tokens: list[int]) -> int:
-    """How many of a new local request's prompt tokens vLLM's prefix cache
-    would serve it."""
-    later = request("later", len(tokens), None, prompt=tokens)
-    _, num_hit_tokens, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
-    return int(num_hit_tokens)
 
 
 def full_blocks(num_tokens: int) -> int:

@@ -20,6 +20,7 @@ from engine_steps import (
     BLOCK_SIZE,
     Workers,
     block_checksums,
+    cached_tokens,
     consumer_params,
     finished,
     kvguard_counts,
@@ -233,6 +234,5 @@ def test_fail_open_a_mismatched_sync_loads_blocks_leave_the_prefix_cache(
     _, engine_outputs = step(scheduler, Workers(checksums={"r1": loaded}))
     assert kvguard_counts(engine_outputs)["mismatch"] == int(corrupt)
     assert new_tokens(engine_outputs)  # fail-open: the request goes on
-    later = request("later", NUM_TOKENS, None, prompt=list(req.prompt_token_ids))
-    _, hit, _ = scheduler.kv_cache_manager.get_computed_blocks(later)
+    hit = cached_tokens(scheduler, list(req.prompt_token_ids))
     assert hit == (0 if corrupt else LOADED)
