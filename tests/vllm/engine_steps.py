@@ -53,6 +53,8 @@ BLOCK_SIZE = 32
 NUM_BLOCKS = 1024
 MAX_MODEL_LEN = 512
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+NUM_KV_HEADS = 2
+HEAD_SIZE = 32
 # The checksums' identity of the layers (any value, the same on both sides).
 FINGERPRINT = 0x5EED
 TOKEN = 7
@@ -114,24 +116,33 @@ def vllm_config(
     return config
 
 
+def kv_cache_config(config: VllmConfig) -> KVCacheConfig:
+    """The tiny model's KV cache as vLLM plans it for ``config``: one
+    full-attention group of :data:`LAYERS`, 2 KV heads of 32 (bfloat16)."""
+    block_size = config.cache_config.block_size
+    num_blocks = config.cache_config.num_gpu_blocks
+    assert num_blocks is not None
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.bfloat16,
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+    )
+
+
 def make_scheduler(cls: type[Scheduler], config: VllmConfig) -> Scheduler:
     """A scheduler of class ``cls`` as vLLM's engine core builds it (with
     ``cls`` in the config, as ``--scheduler-cls`` puts it)."""
     config.scheduler_config.scheduler_cls = cls
     block_size = config.cache_config.block_size
-    num_blocks = config.cache_config.num_gpu_blocks
-    assert num_blocks is not None
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
-    )
     return cls(
         vllm_config=config,
-        kv_cache_config=kv_cache_config,
+        kv_cache_config=kv_cache_config(config),
         structured_output_manager=StructuredOutputManager(config),
         block_size=block_size,
         log_stats=True,
