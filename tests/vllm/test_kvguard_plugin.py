@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -434,6 +436,35 @@ def test_failures_are_found_by_the_client_request_id_only() -> None:
     assert errors.failure_for("bc-1") is None
 
 
+@pytest.fixture
+def no_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh memory of failed loads, for tests that fill or age it."""
+    monkeypatch.setattr(errors, "_failures", OrderedDict())
+
+
+@pytest.mark.usefixtures("no_failures")
+def test_the_newest_4096_failures_are_remembered() -> None:
+    errors.record_failures(
+        {f"cmpl-cap-{i}-0-deadbeef": f"mismatch {i}" for i in range(4097)}
+    )
+    assert errors.failure_for("cap-0") is None
+    assert errors.failure_for("cap-1") == "mismatch 1"
+    assert errors.failure_for("cap-4096") == "mismatch 4096"
+
+
+@pytest.mark.usefixtures("no_failures")
+def test_a_failure_is_forgotten_after_five_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = time.monotonic()
+    monkeypatch.setattr(errors.time, "monotonic", lambda: now)
+    errors.record_failures({"cmpl-old-1-0-deadbeef": "KV checksum mismatch: o"})
+    monkeypatch.setattr(errors.time, "monotonic", lambda: now + 299.0)
+    assert errors.failure_for("old-1") == "KV checksum mismatch: o"
+    monkeypatch.setattr(errors.time, "monotonic", lambda: now + 301.0)
+    assert errors.failure_for("old-1") is None
+
+
 def test_rewrite_replaces_the_generic_message_in_json_and_sse() -> None:
     body = json.dumps({"error": {"message": "Internal server error", "code": 500}})
     rewritten = json.loads(errors.rewrite(body.encode(), "KV checksum mismatch: y"))
@@ -502,6 +533,24 @@ async def test_middleware_leaves_other_errors_alone(request_id: str | None) -> N
     start, body = await _call(_asgi_app(500, [GENERIC], sized=True), request_id)
     assert body == GENERIC
     assert start["status"] == 500
+
+
+async def test_middleware_passes_other_responses_through_chunk_by_chunk() -> None:
+    errors.record_failures({"cmpl-req-6-0-deadbeef": "KV checksum mismatch: p"})
+    chunks = [b'{"choices": ', b"[]}"]
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "headers": [(b"x-request-id", b"req-6")]}
+    app = _asgi_app(200, chunks, sized=True)
+    await errors.KVChecksumErrorMiddleware(app)(scope, receive, send)
+    assert [m.get("body") for m in sent] == [None, *chunks]
+    assert dict(sent[0]["headers"])[b"content-length"] == b"15"
 
 
 def test_middleware_is_what_the_test_servers_load() -> None:
