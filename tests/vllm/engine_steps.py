@@ -77,10 +77,13 @@ def vllm_config(
     num_blocks: int = NUM_BLOCKS,
     prompts_per_step: int = 1,
     inner: dict[str, Any] | None = None,
+    faults: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A CPU engine's config for the tiny model with KVGuard (checksums on,
     fail-closed by default) around NIXL (or the ``inner`` connector
-    config); one step prefills ``prompts_per_step`` whole prompts."""
+    config), its ``fault_injection`` settings ``faults`` if given (for
+    ``KVGuardFaultInjectionConnector``); one step prefills
+    ``prompts_per_step`` whole prompts."""
     transfer: dict[str, Any] = {
         "kv_role": role,
         "kv_buffer_device": "cpu",
@@ -98,6 +101,8 @@ def vllm_config(
         }
         if inner is not None:
             transfer["kv_connector_extra_config"]["inner"] = inner
+        if faults is not None:
+            transfer["kv_connector_extra_config"]["fault_injection"] = faults
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(ensure_model()), dtype="bfloat16", max_model_len=max_model_len

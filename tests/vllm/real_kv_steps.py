@@ -43,6 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 
 from engine_patch.vllm.connector import KVGuardConnector
+from engine_patch.vllm.fault import KVGuardFaultInjectionConnector
 
 # The inner connector of the workers built here (module path: this module).
 LOOPBACK = {
@@ -147,7 +148,9 @@ class Engine:
     """One engine: vLLM's scheduler of class ``cls`` with KVGuardConnector
     around NIXL's scheduler half, and one worker whose KVGuardConnector
     wraps a :class:`LoopbackConnector` and registers real KV tensors
-    (``kv``, per layer ``[blocks, heads, block_size, K then V]``)."""
+    (``kv``, per layer ``[blocks, heads, block_size, K then V]``). With
+    ``faults`` (``fault_injection`` settings) the worker's connector is
+    ``KVGuardFaultInjectionConnector``."""
 
     def __init__(
         self,
@@ -155,15 +158,20 @@ class Engine:
         cls: type[Scheduler] = Scheduler,
         *,
         num_blocks: int = 64,
+        faults: dict[str, Any] | None = None,
         **config: Any,
     ) -> None:
         self.scheduler = make_scheduler(
             cls, vllm_config(role, num_blocks=num_blocks, **config)
         )
+        connector_cls = KVGuardConnector
+        if faults is not None:
+            connector_cls = KVGuardFaultInjectionConnector
+            config |= {"connector": connector_cls.__name__, "faults": faults}
         worker_config = vllm_config(
             role, num_blocks=num_blocks, inner=LOOPBACK, **config
         )
-        self.connector = KVGuardConnector(
+        self.connector = connector_cls(
             worker_config, KVConnectorRole.WORKER, kv_cache_config(worker_config)
         )
         inner = self.connector.inner

@@ -39,7 +39,7 @@ from engine_patch.vllm.config import (
     parse_settings,
 )
 from engine_patch.vllm.connector import INSIDE_MULTI_CONNECTOR, KVGuardConnector
-from engine_patch.vllm.fault import flip_bit
+from engine_patch.vllm.fault import flip_bit, flip_state_bit
 from engine_patch.vllm.scheduler import KVGuardScheduler
 from engine_patch.vllm.stats import KVGuardConnectorStats
 from tests.support.ports import free_port
@@ -362,6 +362,20 @@ def test_flip_bit_flips_exactly_one_bit_of_the_block(dtype: torch.dtype) -> None
     assert changed[2].any()
 
 
+@pytest.mark.parametrize("shape", [(4, 3), (4, 2, 3), (4, 2, 3, 5)])
+def test_flip_state_bit_flips_exactly_one_bit_of_the_blocks_state(
+    shape: tuple[int, ...],
+) -> None:
+    state = torch.randn(shape, dtype=torch.float32)
+    before = state.clone()
+    flip_state_bit(state, 2)
+    flipped = (state.view(torch.int32) ^ before.view(torch.int32)).flatten()
+    (position,) = flipped.nonzero().flatten().tolist()
+    first = 2 * state[0].numel()  # the first element of block 2's state
+    assert position == first
+    assert int(flipped[position]) == -(1 << 31)  # the top bit, as int32
+
+
 # ---------------------------------------------------------------- stats
 
 
@@ -515,8 +529,11 @@ async def test_middleware_puts_the_reason_into_a_failed_requests_500() -> None:
     app = _asgi_app(500, [GENERIC[:10], GENERIC[10:]], sized=True)
     start, body = await _call(app, "req-7")
     assert json.loads(body)["error"]["message"] == "KV checksum mismatch: z"
-    length = dict(start["headers"])[b"content-length"]
-    assert int(length) == len(body)
+    # The app's headers, with one content-length: the new body's.
+    assert start["headers"] == [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
 
 
 async def test_middleware_rewrites_a_streamed_error_event() -> None:

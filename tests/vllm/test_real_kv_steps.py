@@ -238,3 +238,38 @@ def test_with_checksums_off_the_worker_registers_nothing_and_loads_go_through() 
     outcome = load_finishes(consumer)  # no copy: the KV is whatever it is
     assert outcome["ended"] == FinishReason.LENGTH
     assert worker_counts(consumer).get("checksum_bytes", 0) == 0
+
+
+def decode_once(producer: Engine, consumer: Engine, req_id: str) -> dict[str, Any]:
+    """One P/D request through the pair, its KV copied clean: what
+    :func:`load_finishes` says of its load."""
+    params = prefill(producer, f"p-{req_id}", NUM_TOKENS)
+    start_decode(consumer, params, req_id)
+    transfer(producer, params, consumer, req_id)
+    return load_finishes(consumer, req_id)
+
+
+def test_a_fault_injecting_consumer_corrupts_the_loads_it_chooses() -> None:
+    producer = Engine("kv_producer")
+    consumer = Engine("kv_consumer", faults={"loads": "every_other"})
+    outcomes = [decode_once(producer, consumer, f"d{i}") for i in range(3)]
+    assert [o["ended"] for o in outcomes] == [
+        FinishReason.ERROR,
+        FinishReason.LENGTH,
+        FinishReason.ERROR,
+    ]
+    assert [o["counts"]["mismatch"] for o in outcomes] == [1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("layers", "caught"), [("full_attention", True), ("sliding_window", False)]
+)
+def test_fault_injection_corrupts_only_the_kind_of_layer_it_names(
+    layers: str, caught: bool
+) -> None:
+    # The tiny llama has full-attention layers only.
+    producer = Engine("kv_producer")
+    consumer = Engine("kv_consumer", faults={"loads": "all", "layers": layers})
+    outcome = decode_once(producer, consumer, "d1")
+    assert outcome["counts"]["mismatch"] == int(caught)
+    assert outcome["counts"].get("verified", 0) == int(not caught)
