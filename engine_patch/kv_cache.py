@@ -8,7 +8,7 @@ and tests build them directly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,24 +57,32 @@ class KVCacheGroup:
     layer_names: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KVCacheConfig:
     """The engine's KV cache groups.
 
     ``transfer_group_ids`` are the groups P/D and offloading connectors move
-    (and so the ones checksummed); ``hash_block_size`` is the token span of
-    one entry of ``Request.block_hashes`` (``None``: the group's block size).
+    (and so the ones checksummed): every group if not given, none if empty
+    (as vLLM's ``KVCacheConfig.transfer_group_ids``); ``hash_block_size`` is
+    the token span of one entry of ``Request.block_hashes`` (``None``: the
+    group's block size).
     """
 
     kv_cache_groups: Sequence[KVCacheGroup]
-    transfer_group_ids: tuple[int, ...] = field(default=())
-    hash_block_size: int | None = None
+    transfer_group_ids: tuple[int, ...]
+    hash_block_size: int | None
 
-    def __post_init__(self) -> None:
-        if not self.transfer_group_ids:
-            object.__setattr__(
-                self, "transfer_group_ids", tuple(range(len(self.kv_cache_groups)))
-            )
+    def __init__(
+        self,
+        kv_cache_groups: Sequence[KVCacheGroup],
+        transfer_group_ids: Sequence[int] | None = None,
+        hash_block_size: int | None = None,
+    ) -> None:
+        if transfer_group_ids is None:
+            transfer_group_ids = range(len(kv_cache_groups))
+        object.__setattr__(self, "kv_cache_groups", kv_cache_groups)
+        object.__setattr__(self, "transfer_group_ids", tuple(transfer_group_ids))
+        object.__setattr__(self, "hash_block_size", hash_block_size)
 
 
 # Sliding-window groups are checksummed per this many tokens (per block where

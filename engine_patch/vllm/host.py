@@ -136,7 +136,7 @@ def convert_kv_cache_config(
         covered.append(group_id)
     return kv_cache.KVCacheConfig(
         kv_cache_groups=groups,
-        transfer_group_ids=tuple(covered) or (),
+        transfer_group_ids=covered,
         hash_block_size=config.hash_block_size,
     )
 

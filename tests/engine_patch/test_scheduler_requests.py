@@ -203,3 +203,17 @@ def test_only_transfer_groups_are_checksummed() -> None:
     scheduled = scheduler.build_checksum_meta()
     assert scheduled is not None
     assert scheduled.reqs_to_send["p"].groups == {1: (0, [2])}
+
+
+def test_a_config_with_no_transfer_group_checksums_nothing() -> None:
+    # vLLM's meaning of an empty transfer_group_ids (fail-open, every group
+    # of a kind KVGuard cannot checksum): none, not every group.
+    config = KVCacheConfig([KVCacheGroup(full())], transfer_group_ids=())
+    assert config.transfer_group_ids == ()
+    assert KVCacheConfig([KVCacheGroup(full())]).transfer_group_ids == (0,)
+    scheduler = make_scheduler(config)
+    req = producer_request("p", 16)
+    req.num_computed_tokens = 16
+    scheduler.add_send(req, 16, FakeKVCacheManager({"p": FakeBlocks.of([1])}))
+    scheduled = scheduler.build_checksum_meta()
+    assert scheduled is None or not scheduled.reqs_to_send["p"].groups

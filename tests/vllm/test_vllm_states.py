@@ -304,3 +304,29 @@ def test_state_kinds_connectors_do_not_move_whole_fail_closed(
     )
     with pytest.raises(UnsupportedKVCacheError, match="MambaSpec"):
         convert_kv_cache_config(kv_config(spec), fail_closed=True)
+
+
+def test_fail_open_leaves_out_every_group_it_cannot_checksum_even_all() -> None:
+    # The only transfer group is of a kind KVGuard cannot checksum: none is
+    # covered (not every group, as "no groups given" means elsewhere).
+    spec = MambaSpec(
+        block_size=MAX_MODEL_LEN,
+        shapes=((3, 64),),
+        dtypes=(torch.bfloat16,),
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+    )
+    config = convert_kv_cache_config(kv_config(spec), fail_closed=False)
+    assert config.transfer_group_ids == ()
+    # So a worker registers no layer of it (a short-conv state it would
+    # fail to cut into states).
+    pages = {
+        name: torch.zeros(8, 1, 1, 3 * 64 * 2, dtype=torch.int8) for name in LAYERS
+    }
+    layers = kv_layers(
+        vllm_config(1),
+        kv_config(spec),
+        pages,
+        covered_groups=set(config.transfer_group_ids),
+        tp_rank=0,
+    )
+    assert layers == []
