@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_steps import finished, kvguard_counts, request
+from engine_steps import (
+    LAYERS,
+    finished,
+    kv_cache_config,
+    kvguard_counts,
+    request,
+    vllm_config,
+)
 from real_kv_steps import Engine, copy_blocks, prefill
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
@@ -22,6 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from engine_patch.vllm.host import UnsupportedKVCacheError, kv_layers
 from engine_patch.vllm.metadata import KVGuardWorkerMetadata
 from engine_patch.vllm.scheduler import KVGuardScheduler
 from engine_patch.vllm.stats import KVGuardConnectorStats
@@ -273,3 +281,43 @@ def test_fault_injection_corrupts_only_the_kind_of_layer_it_names(
     outcome = decode_once(producer, consumer, "d1")
     assert outcome["counts"]["mismatch"] == int(caught)
     assert outcome["counts"].get("verified", 0) == int(not caught)
+
+
+def _register(kv_caches: dict[str, torch.Tensor]) -> list[Any]:
+    config = vllm_config("kv_consumer")
+    return kv_layers(
+        config, kv_cache_config(config), kv_caches, covered_groups={0}, tp_rank=0
+    )
+
+
+def test_registered_kv_of_vllms_layout_is_checksummed_per_layer() -> None:
+    kv = {name: torch.zeros(8, 2, 32, 64, dtype=torch.bfloat16) for name in LAYERS}
+    layers = _register(kv)
+    assert [(layer.name, layer.index) for layer in layers] == [
+        (LAYERS[0], 0),
+        (LAYERS[1], 1),
+    ]
+    assert all(layer.kv is kv[layer.name] for layer in layers)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((8, 2, 16, 64), r"\[8, 2, 16, 64\] is not \[blocks, 2 heads, 32 tokens"),
+        ((8, 1, 32, 64), r"is not \[blocks, 2 heads, 32 tokens"),
+        ((8, 2, 32), r"is not \[blocks, 2 heads, 32 tokens"),
+        ((8, 2, 32, 2, 32), r"is not \[blocks, 2 heads, 32 tokens"),
+    ],
+)
+def test_registered_kv_of_another_shape_is_refused(
+    shape: tuple[int, ...], message: str
+) -> None:
+    kv = {name: torch.zeros(shape, dtype=torch.bfloat16) for name in LAYERS}
+    with pytest.raises(UnsupportedKVCacheError, match=message):
+        _register(kv)
+
+
+def test_a_covered_layer_that_registered_no_kv_is_refused() -> None:
+    kv = {LAYERS[0]: torch.zeros(8, 2, 32, 64, dtype=torch.bfloat16)}
+    with pytest.raises(UnsupportedKVCacheError, match="registered no KV cache"):
+        _register(kv)
