@@ -23,7 +23,10 @@ from engine_steps import (
     vllm_config,
     worker_record,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from engine_patch.types import KVChecksumBlocks, KVChecksumRecord, KVChecksumScheduled
 from engine_patch.vllm.metadata import (
@@ -118,3 +121,39 @@ def test_steps_with_nothing_for_the_workers_send_the_inner_metadata_alone() -> N
     assert list(meta.checksums.reqs_to_recv) == ["c"]
     waiting, _ = step(scheduler)
     assert not isinstance(waiting.kv_connector_metadata, KVGuardConnectorMetadata)
+
+
+class _InnerMeta(KVConnectorWorkerMetadata):
+    """An inner connector's worker metadata: the ranks it came from."""
+
+    def __init__(self, *ranks: int) -> None:
+        self.ranks = list(ranks)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, _InnerMeta)
+        return _InnerMeta(*self.ranks, *other.ranks)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "ranks"),
+    [((0,), None, [0]), (None, (1,), [1]), ((0,), (1,), [0, 1]), (None, None, None)],
+)
+def test_worker_metadata_aggregates_the_inner_connectors_and_the_reports(
+    first: tuple[int, ...] | None,
+    second: tuple[int, ...] | None,
+    ranks: list[int] | None,
+) -> None:
+    reports = [WorkerReport(None, [f"r{i}"]) for i in range(2)]
+    merged = KVGuardWorkerMetadata(
+        None if first is None else _InnerMeta(*first), reports[:1]
+    ).aggregate(
+        KVGuardWorkerMetadata(
+            None if second is None else _InnerMeta(*second), reports[1:]
+        )
+    )
+    assert isinstance(merged, KVGuardWorkerMetadata)
+    assert merged.reports == reports
+    if ranks is None:
+        assert merged.inner is None
+    else:
+        assert isinstance(merged.inner, _InnerMeta) and merged.inner.ranks == ranks

@@ -10,6 +10,8 @@ Loads are of 100 tokens (4 blocks of 32, the last one partial) or of 20
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from engine_steps import (
@@ -27,6 +29,7 @@ from engine_steps import (
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_patch.scheduler import KVChecksumScheduler
+from engine_patch.vllm.prefix_cache import keep_out_of_prefix_cache
 from engine_patch.vllm.scheduler import KVGuardScheduler
 
 pytestmark = pytest.mark.vllm
@@ -126,3 +129,16 @@ def test_a_verified_loads_blocks_holding_tokens_not_compared_serve_no_other_requ
     # full-attention block after it, does not.
     assert cached_tokens(scheduler, tokens[:100]) == BLOCK_SIZE
     assert cached_tokens(scheduler, tokens) == BLOCK_SIZE
+
+
+def test_blocks_hashed_later_from_the_first_loaded_one_on_get_random_hashes() -> None:
+    # Two full blocks hashed, the load from token 96 (block 3): the hasher's
+    # next call makes blocks 2-4 at once (several tokens in one step).
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    req = SimpleNamespace(block_hashes=hashes[:2], _block_hasher=None)
+    req._block_hasher = lambda r: hashes[len(r.block_hashes) :]
+    keep_out_of_prefix_cache(req, 96, BLOCK_SIZE)  # type: ignore[arg-type]
+    new = req._block_hasher(req)
+    assert req.block_hashes == hashes[:2]
+    assert new[0] == hashes[2]
+    assert new[1] != hashes[3] and new[2] != hashes[4]

@@ -41,7 +41,7 @@ from engine_patch.vllm.config import (
 from engine_patch.vllm.connector import INSIDE_MULTI_CONNECTOR, KVGuardConnector
 from engine_patch.vllm.fault import flip_bit, flip_state_bit
 from engine_patch.vllm.scheduler import KVGuardScheduler
-from engine_patch.vllm.stats import KVGuardConnectorStats
+from engine_patch.vllm.stats import KVGuardConnectorStats, Snapshot, checksum_deltas
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.vllm
@@ -417,6 +417,15 @@ def test_stats_survive_serialization_with_the_inner_connectors() -> None:
     reduced = rebuilt.reduce()
     assert reduced["mismatched"] == 1
     assert reduced["loads failed"] == 1
+
+
+def test_stats_deltas_are_the_outcomes_between_two_snapshots() -> None:
+    before = Snapshot(3, 1, 1, {"a": 1, "b": 2}, {"x": 1})
+    now = Snapshot(5, 2, 4, {"a": 4, "b": 2, "c": 1}, {"x": 1})
+    deltas = checksum_deltas(now, before)
+    assert (deltas["verified"], deltas["mismatch"], deltas["sent"]) == (2, 1, 3)
+    assert deltas["unverified"] == {"a": 3, "c": 1}
+    assert deltas["not_sent"] == {}
 
 
 def test_empty_stats_are_empty() -> None:
