@@ -428,6 +428,27 @@ def test_stats_deltas_are_the_outcomes_between_two_snapshots() -> None:
     assert deltas["not_sent"] == {}
 
 
+def test_stats_without_inner_stats_reduce_and_survive_serialization() -> None:
+    stats = _stats(verified=2, checksum_bytes=4000, checksum_seconds=2e-6)
+    data = json.loads(json.dumps(stats.to_dict()))
+    rebuilt = KVGuardConnectorStats.build(data)
+    assert rebuilt.inner is None
+    assert rebuilt.reduce() == {
+        "KV checksums verified": 2,
+        "mismatched": 0,
+        "unverified": 0,
+        "loads failed": 0,
+        "sent": 0,
+        "checksum GB/s": 2.0,
+    }
+
+
+def test_empty_inner_stats_add_nothing_to_the_reduced_stats() -> None:
+    stats = _stats(verified=1)
+    stats.set_inner("NixlConnector", None, NixlKVConnectorStats())
+    assert stats.reduce() == _stats(verified=1).reduce()
+
+
 def test_empty_stats_are_empty() -> None:
     assert KVGuardConnectorStats().is_empty()
     assert KVGuardConnectorStats.build(None).is_empty()
