@@ -5,17 +5,21 @@ refusing a bad configuration at startup."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from engine_steps import make_scheduler, vllm_config
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
@@ -29,8 +33,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource as VllmSource
 from vllm_servers import MIDDLEWARE, WORK_DIR, EngineSpec, StartStalled, VllmServer
 
+from engine_patch.host import CacheHitSource
 from engine_patch.vllm import errors
 from engine_patch.vllm.config import (
     FaultSettings,
@@ -40,6 +46,7 @@ from engine_patch.vllm.config import (
 )
 from engine_patch.vllm.connector import INSIDE_MULTI_CONNECTOR, KVGuardConnector
 from engine_patch.vllm.fault import flip_bit, flip_state_bit
+from engine_patch.vllm.host import ConnectorHooks
 from engine_patch.vllm.scheduler import KVGuardScheduler
 from engine_patch.vllm.stats import KVGuardConnectorStats, Snapshot, checksum_deltas
 from tests.support.ports import free_port
@@ -404,6 +411,22 @@ def test_stats_aggregate_counts_reasons_and_inner_stats() -> None:
     assert not total.is_empty()
 
 
+@pytest.mark.parametrize("first_has_inner", [False, True])
+def test_stats_aggregate_the_inner_stats_whichever_side_has_them(
+    first_has_inner: bool,
+) -> None:
+    first, second = _stats(verified=1), _stats(verified=2)
+    for stats in (first, second) if first_has_inner else (second,):
+        nixl = NixlKVConnectorStats()
+        nixl.record_failed_transfer()
+        stats.set_inner("NixlConnector", None, nixl)
+    total = first.aggregate(second)
+    assert isinstance(total, KVGuardConnectorStats)
+    assert total.counts["verified"] == 3
+    assert isinstance(total.inner, NixlKVConnectorStats)
+    assert total.inner.data["num_failed_transfers"] == [1] * (1 + first_has_inner)
+
+
 def test_stats_survive_serialization_with_the_inner_connectors() -> None:
     nixl = NixlKVConnectorStats()
     nixl.record_failed_handshake()
@@ -604,3 +627,67 @@ def test_middleware_is_what_the_test_servers_load() -> None:
     module, name = MIDDLEWARE.rsplit(".", 1)
     assert getattr(errors, name) is errors.KVChecksumErrorMiddleware
     assert module == errors.__name__
+
+
+def _prom(registry: CollectorRegistry) -> KVConnectorProm:
+    """vLLM's per-connector Prometheus metrics of a KVGuard consumer, in
+    ``registry``."""
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(Gauge, registry=registry)
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    return Prom(vllm_config("kv_consumer"), ["engine"], {0: ["0"]})
+
+
+@pytest.mark.usefixtures("no_failures")
+def test_prometheus_counts_kvguards_outcomes_and_the_inner_connectors() -> None:
+    registry = CollectorRegistry()
+    prom = _prom(registry)
+    nixl = NixlKVConnectorStats()
+    nixl.record_failed_transfer()
+    stats = _stats(
+        verified=2,
+        mismatch=1,
+        checksum_bytes=4096,
+        unverified={"the producer sent no checksums": 3},
+        failed_requests={"cmpl-prom-1-0-deadbeef": "KV checksum mismatch: m"},
+    )
+    stats.set_inner("NixlConnector", None, nixl)
+    prom.observe(stats.to_dict(), 0)
+    value = registry.get_sample_value
+    assert value("kvguard_kv_checksum_verified_total", {"engine": "0"}) == 2
+    assert value("kvguard_kv_checksum_mismatch_total", {"engine": "0"}) == 1
+    assert value("kvguard_kv_checksum_bytes_total", {"engine": "0"}) == 4096
+    assert value("kvguard_kv_checksum_sent_total", {"engine": "0"}) == 0
+    reason = {"engine": "0", "reason": "the producer sent no checksums"}
+    assert value("kvguard_kv_checksum_unverified_total", reason) == 3
+    assert value("vllm:nixl_num_failed_transfers_total", {"engine": "0"}) == 1
+    # The API server's middleware now knows why that request failed.
+    assert errors.failure_for("prom-1") == "KV checksum mismatch: m"
+    # An interval without the inner connector's stats.
+    prom.observe(_stats(verified=1).to_dict(), 0)
+    assert value("kvguard_kv_checksum_verified_total", {"engine": "0"}) == 3
+    assert value("vllm:nixl_num_failed_transfers_total", {"engine": "0"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("vllm_sources", "sources"),
+    [
+        (
+            {VllmSource.HOST: 10, VllmSource.DISK: 6, VllmSource.P2P: 0},
+            {CacheHitSource.OFFLOAD: 16},
+        ),
+        (
+            {VllmSource.P2P: 4, VllmSource.EXTERNAL_UNSPECIFIED: 5},
+            {CacheHitSource.P2P: 9},
+        ),
+    ],
+)
+def test_the_inner_connectors_cache_tiers_add_up_as_kvguards_sources(
+    vllm_sources: dict[VllmSource, int], sources: dict[CacheHitSource, int]
+) -> None:
+    inner = SimpleNamespace(get_external_cache_hit_sources=lambda r, n: vllm_sources)
+    hooks = ConnectorHooks(inner)
+    assert hooks.get_external_cache_hit_sources(object(), 16) == sources
