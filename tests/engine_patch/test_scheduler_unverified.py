@@ -27,6 +27,7 @@ from scheduler_harness import (
     load_with_payload,
 )
 
+from engine_patch.kv_cache import KVCacheConfig, KVCacheGroup
 from engine_patch.payload import KV_TRANSFER_PARAMS_KEY, KVChecksumPayload
 
 
@@ -127,6 +128,15 @@ UNVERIFIED_CASES = {
         dict(
             params=payload_params(),
             consumer_workers=FakeWorkers(fingerprints={}, unheld=frozenset({0})),
+        ),
+        R.NOTHING_CHECKSUMMED,
+    ),
+    "no transfer group on either side (fail-open left out every group)": (
+        dict(
+            params=payload_params(),
+            consumer_config=KVCacheConfig(
+                [KVCacheGroup(full())], transfer_group_ids=()
+            ),
         ),
         R.NOTHING_CHECKSUMMED,
     ),
