@@ -157,3 +157,42 @@ async def test_engines_short_of_blocks_hold_nothing_after_a_burst_of_any_request
         assert await _at_rest(*engines) == [set(), set()]
         for engine in engines:
             assert engine.kv.pool.num_free == engine.kv.pool.num_usable
+
+
+async def test_engines_without_checksums_hold_nothing_after_their_requests(
+    session: aiohttp.ClientSession,
+) -> None:
+    specs = (
+        EngineSpec(role=Role.PRODUCER, lease_s=1.0, kv_checksums=False),
+        EngineSpec(role=Role.CONSUMER, kv_checksums=False),
+    )
+    async with fake_engines(*specs) as urls:
+        producer, consumer = urls.engine(0), urls.engine(1)
+        body = completion_body()
+        assert (await pd(session, urls[0], urls[1], COMPLETIONS, body))[0] == 200
+        await prefill(session, urls[0], COMPLETIONS, body)  # never pulled
+        assert producer.held_request_ids()  # its KV, for the decode to come
+        assert await _at_rest(producer, consumer) == [set(), set()]
+
+
+async def test_a_load_in_flight_is_held_until_it_ends(
+    session: aiohttp.ClientSession,
+) -> None:
+    specs = (EngineSpec(role=Role.PRODUCER), EngineSpec(role=Role.CONSUMER))
+    async with fake_engines(*specs) as urls:
+        consumer = urls.engine(1)
+        consumer.configure_faults(FaultConfig(FaultKind.HANG, FaultSide.CONSUMER))
+        body = completion_body()
+        params = await prefill(session, urls[0], COMPLETIONS, body)
+        decode = asyncio.ensure_future(
+            post(session, urls[1] + COMPLETIONS, {**body, "kv_transfer_params": params})
+        )
+        for _ in range(200):
+            if consumer.held_request_ids():
+                break
+            await asyncio.sleep(0.01)
+        assert len(consumer.held_request_ids()) == 1
+        decode.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await decode
+        assert await _at_rest(consumer) == [set()]
