@@ -129,6 +129,14 @@ async def test_output_budget_up_to_max_model_len_is_clamped_to_the_room_left(
             "the input prompt. (parameter=input_tokens, value=300)",
             id="token-prompt-too-long",
         ),
+        # A prompt of max_model_len tokens passes _token_len_check (it is not
+        # over), and get_max_tokens then leaves no output token.
+        pytest.param(
+            {"prompt": [65] * MAX_MODEL_LEN},
+            "max_tokens",
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+            id="token-prompt-filling-the-context",
+        ),
         # A text prompt is tokenized to at most max_model_len + 1 tokens
         # (TokenizeParams.get_encode_kwargs), so vLLM counts "at least" those.
         pytest.param(
