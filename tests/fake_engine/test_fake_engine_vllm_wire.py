@@ -26,6 +26,7 @@ from fake_engine_helpers import (
 )
 
 from fake_engine.testing import EngineSpec, fake_engines
+from fake_engine.tokenizer import VOCAB_SIZE
 
 Body = Callable[..., dict[str, Any]]
 
@@ -74,6 +75,19 @@ async def test_output_budget_up_to_max_model_len_is_clamped_to_the_room_left(
     assert status == 200
     assert answer["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(PROMPT)
     assert answer["choices"][0]["finish_reason"] == "length"
+
+
+async def test_min_tokens_may_take_all_the_room_left(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = {
+        "prompt": [VOCAB_SIZE - 1] * (MAX_MODEL_LEN - 56),
+        "max_tokens": 100,
+        "min_tokens": 56,
+    }
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 200
+    assert answer["usage"]["completion_tokens"] == 56
 
 
 # vllm/exceptions.py VLLMValidationError.__str__ appends the parameter and
@@ -136,6 +150,24 @@ async def test_output_budget_up_to_max_model_len_is_clamped_to_the_room_left(
             "max_tokens",
             "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             id="token-prompt-filling-the-context",
+        ),
+        # get_max_tokens clamps max_tokens to the room left (56 here), which
+        # SamplingParams checks min_tokens against.
+        pytest.param(
+            {
+                "prompt": [65] * (MAX_MODEL_LEN - 56),
+                "max_tokens": 100,
+                "min_tokens": 57,
+            },
+            None,
+            "min_tokens must be less than or equal to max_tokens=56, got 57.",
+            id="min-tokens-above-the-room-left",
+        ),
+        pytest.param(
+            {"prompt": [1, VOCAB_SIZE]},
+            "prompt",
+            f"Token id {VOCAB_SIZE} is out of vocabulary (parameter=prompt)",
+            id="token-just-past-the-vocabulary",
         ),
         # A text prompt is tokenized to at most max_model_len + 1 tokens
         # (TokenizeParams.get_encode_kwargs), so vLLM counts "at least" those.
