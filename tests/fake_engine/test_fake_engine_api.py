@@ -158,6 +158,24 @@ async def test_stop_string_ends_the_text(
     assert events[-2]["choices"][0]["stop_reason"] == stop
 
 
+async def test_stop_token_id_ends_the_output_with_it(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = completion_body(max_tokens=20, return_token_ids=True)
+    _, free = await post(session, url + COMPLETIONS, body)
+    ids = free["choices"][0]["token_ids"]
+    stop = ids[6]
+    first = ids.index(stop)
+    _, stopped = await post(
+        session, url + COMPLETIONS, {**body, "stop_token_ids": [stop]}
+    )
+    choice = stopped["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    # The stop token is the last of the output, as vLLM counts it.
+    assert choice["token_ids"] == ids[: first + 1]
+    assert stopped["usage"]["completion_tokens"] == first + 1
+
+
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
     session: aiohttp.ClientSession, url: str
 ) -> None:
