@@ -176,6 +176,31 @@ async def test_stop_token_id_ends_the_output_with_it(
     assert stopped["usage"]["completion_tokens"] == first + 1
 
 
+async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # The first of these prompts whose greedy output the fake model ends
+    # with EOS (one token in 128 may be EOS).
+    for i in range(20):
+        body = completion_body(
+            prompt=f"until EOS {i}",
+            max_tokens=200,
+            ignore_eos=False,
+            return_token_ids=True,
+        )
+        _, answer = await post(session, url + COMPLETIONS, body)
+        choice = answer["choices"][0]
+        if choice["finish_reason"] == "stop":
+            break
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    ended = len(choice["token_ids"])
+    _, ignored = await post(session, url + COMPLETIONS, {**body, "ignore_eos": True})
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert len(ignored["choices"][0]["token_ids"]) == 200
+    _, held = await post(session, url + COMPLETIONS, {**body, "min_tokens": ended + 5})
+    assert len(held["choices"][0]["token_ids"]) >= ended + 5
+
+
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
     session: aiohttp.ClientSession, url: str
 ) -> None:
