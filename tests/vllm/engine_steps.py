@@ -184,6 +184,20 @@ def request(
     )
 
 
+def producer_request(
+    req_id: str, num_tokens: int, block_size: int = BLOCK_SIZE
+) -> Request:
+    """A P/D prefill as the proxy sends it to a producer: its KV is for a
+    remote decode, and it stops after one token."""
+    return request(
+        req_id,
+        num_tokens,
+        {"do_remote_decode": True},
+        max_tokens=1,
+        block_size=block_size,
+    )
+
+
 def cached_tokens(scheduler: Scheduler, tokens: list[int]) -> int:
     """How many of a new local request's prompt tokens vLLM's prefix cache
     would serve it."""
@@ -388,15 +402,7 @@ def produce_together(
     checksums reported)."""
     block_size = scheduler.cache_config.block_size
     for req_id in req_ids:
-        scheduler.add_request(
-            request(
-                req_id,
-                num_tokens,
-                {"do_remote_decode": True},
-                max_tokens=1,
-                block_size=block_size,
-            )
-        )
+        scheduler.add_request(producer_request(req_id, num_tokens, block_size))
     sums = block_checksums(num_tokens, block_size=block_size)
     chunks = -(-num_tokens // chunk_tokens) if chunk_tokens else 1
     steps = [

@@ -27,7 +27,7 @@ from engine_steps import (
     NUM_KV_HEADS,
     kv_cache_config,
     make_scheduler,
-    request,
+    producer_request,
     runner_output,
     shipped,
     vllm_config,
@@ -263,15 +263,7 @@ class Engine:
 def prefill(producer: Engine, req_id: str, num_tokens: int) -> dict[str, Any]:
     """A P/D prefill on ``producer``: the request's params for the decode."""
     block_size = producer.scheduler.cache_config.block_size
-    producer.scheduler.add_request(
-        request(
-            req_id,
-            num_tokens,
-            {"do_remote_decode": True},
-            max_tokens=1,
-            block_size=block_size,
-        )
-    )
+    producer.scheduler.add_request(producer_request(req_id, num_tokens, block_size))
     assert req_id in producer.step()
     return producer.kv_params(req_id)
 

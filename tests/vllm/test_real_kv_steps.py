@@ -18,6 +18,7 @@ from engine_steps import (
     finished,
     kv_cache_config,
     kvguard_counts,
+    producer_request,
     request,
     vllm_config,
 )
@@ -82,6 +83,15 @@ def transfer(
     )
 
 
+def decode_once(producer: Engine, consumer: Engine, req_id: str) -> dict[str, Any]:
+    """One P/D request through the pair, its KV copied clean: what
+    :func:`load_finishes` says of its load."""
+    params = prefill(producer, f"p-{req_id}", NUM_TOKENS)
+    start_decode(consumer, params, req_id)
+    transfer(producer, params, consumer, req_id)
+    return load_finishes(consumer, req_id)
+
+
 def worker_counts(engine: Engine) -> dict[str, Any]:
     """KVGuard's worker counts summed over the engine's steps so far."""
     totals: dict[str, Any] = {}
@@ -101,11 +111,7 @@ def test_a_clean_copy_of_the_producers_kv_verifies_and_decodes(
     cls: type[Scheduler],
 ) -> None:
     producer, consumer = Engine("kv_producer"), Engine("kv_consumer", cls)
-    params = prefill(producer, "p1", NUM_TOKENS)
-    assert "kv_checksums" in params
-    start_decode(consumer, params)
-    transfer(producer, params, consumer)
-    outcome = load_finishes(consumer)
+    outcome = decode_once(producer, consumer, "d1")
     assert outcome["counts"]["verified"] == 1
     assert outcome["counts"]["mismatch"] == 0
     assert outcome["ended"] == FinishReason.LENGTH
@@ -142,40 +148,24 @@ def test_kv_past_the_prompt_in_its_last_block_is_not_compared() -> None:
 
 
 @MODES
-def test_workers_count_the_bytes_they_checksum_and_the_time_it_took(
+def test_workers_count_what_they_checksum_and_hold_and_for_how_long(
     cls: type[Scheduler],
 ) -> None:
     start = time.perf_counter()
     producer, consumer = Engine("kv_producer"), Engine("kv_consumer", cls)
-    params = prefill(producer, "p1", NUM_TOKENS)
-    start_decode(consumer, params)
-    transfer(producer, params, consumer)
-    load_finishes(consumer)
+    decode_once(producer, consumer, "d1")
     elapsed = time.perf_counter() - start
     for engine in (producer, consumer):
         counts = worker_counts(engine)
         # Every block once: the producer's send, the consumer's load.
         assert counts["checksum_bytes"] == NUM_BLOCKS * BLOCK_BYTES
         assert 0 < counts["checksum_seconds"] < elapsed
-
-
-@MODES
-def test_workers_count_the_loads_they_held_and_for_how_long(
-    cls: type[Scheduler],
-) -> None:
-    start = time.perf_counter()
-    producer, consumer = Engine("kv_producer"), Engine("kv_consumer", cls)
-    params = prefill(producer, "p1", NUM_TOKENS)
-    start_decode(consumer, params)
-    transfer(producer, params, consumer)
-    load_finishes(consumer)
-    elapsed = time.perf_counter() - start
-    counts = worker_counts(consumer)
+    held = worker_counts(consumer)
     if cls is KVGuardScheduler:  # same-step verdicts: nothing waits
-        assert (counts["held_loads"], counts["hold_seconds"]) == (0, 0)
+        assert (held["held_loads"], held["hold_seconds"]) == (0, 0)
     else:
-        assert counts["held_loads"] == 1
-        assert 0 < counts["hold_seconds"] < elapsed
+        assert held["held_loads"] == 1
+        assert 0 < held["hold_seconds"] < elapsed
 
 
 def test_the_inner_connectors_stats_ride_with_kvguards() -> None:
@@ -218,9 +208,7 @@ def test_a_send_is_held_by_the_worker_until_its_prompt_is_checksummed() -> None:
     worker = producer.connector._worker
     assert worker is not None
     held_in_forward: list[set[str]] = []
-    producer.scheduler.add_request(
-        request("p1", NUM_TOKENS, {"do_remote_decode": True}, max_tokens=1)
-    )
+    producer.scheduler.add_request(producer_request("p1", NUM_TOKENS))
     producer.step(forward=lambda: held_in_forward.append(worker.held_request_ids()))
     assert held_in_forward == [{"p1"}]
     assert worker.held_request_ids() == set()
@@ -246,15 +234,6 @@ def test_with_checksums_off_the_worker_registers_nothing_and_loads_go_through() 
     outcome = load_finishes(consumer)  # no copy: the KV is whatever it is
     assert outcome["ended"] == FinishReason.LENGTH
     assert worker_counts(consumer).get("checksum_bytes", 0) == 0
-
-
-def decode_once(producer: Engine, consumer: Engine, req_id: str) -> dict[str, Any]:
-    """One P/D request through the pair, its KV copied clean: what
-    :func:`load_finishes` says of its load."""
-    params = prefill(producer, f"p-{req_id}", NUM_TOKENS)
-    start_decode(consumer, params, req_id)
-    transfer(producer, params, consumer, req_id)
-    return load_finishes(consumer, req_id)
 
 
 def test_a_fault_injecting_consumer_corrupts_the_loads_it_chooses() -> None:
