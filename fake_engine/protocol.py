@@ -616,12 +616,28 @@ def _clean_loc(loc: tuple[Any, ...]) -> str:
 VALIDATION_ERROR_TYPE = HTTPStatus.BAD_REQUEST.phrase
 
 
-def _summarize(value: Any) -> Any:
-    if isinstance(value, str):
-        return value if len(value) <= 200 else value[:200] + "...[truncated]"
-    if isinstance(value, (list, tuple, dict)):
+# vLLM's bounds on a validation error's text (validation.py).
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _truncated(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
+def _summarize(value: Any) -> str:
+    """A validation error's ``input`` as vLLM's ``_summarize_error_input``
+    gives it: containers described, anything else as text, cut at 200
+    characters."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
         return f"<{type(value).__name__} of {len(value)} items>"
-    return value
+    try:
+        text = str(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    return _truncated(text, _MAX_ERROR_INPUT_CHARS)
 
 
 def validation_error(exc: ValidationError) -> RequestError:
@@ -637,13 +653,17 @@ def validation_error(exc: ValidationError) -> RequestError:
             return ctx_error
     lines = []
     for error in errors[:10]:
-        entry = {
+        # FastAPI's error dict (pydantic's, without "url"), as vLLM's
+        # _format_error renders it.
+        entry: dict[str, Any] = {
             "type": error["type"],
             "loc": _clean_loc(tuple(error["loc"])),
             "msg": error["msg"],
             "input": _summarize(error.get("input")),
         }
-        lines.append(f"  {entry}")
+        if "ctx" in error:
+            entry["ctx"] = error["ctx"]
+        lines.append(f"  {_truncated(str(entry), _MAX_ERROR_CHARS)}")
     count = len(errors)
     label = "error" if count == 1 else "errors"
     message = f"{count} validation {label}:\n" + "\n".join(lines)

@@ -333,3 +333,51 @@ async def test_stream_interval_batches_tokens_into_chunks_as_vllm_does(
     assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
     _, whole = await post(session, url + COMPLETIONS, completion_body(max_tokens=10))
     assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(whole)
+
+
+# vllm/entrypoints/serve/exception_handling/handlers/validation.py
+# _format_error: FastAPI's error dict (its "ctx" included), "input" as text
+# cut at 200 characters; at most 10 errors listed.
+async def test_a_validation_error_shows_its_context_and_its_input_as_text(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, answer = await post(session, url + COMPLETIONS, completion_body(seed=2**63))
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body.seed") == (
+        "1 validation error:\n  {'type': 'less_than_equal', 'loc': 'body.seed', "
+        "'msg': 'Input should be less than or equal to 9223372036854775807', "
+        "'input': '9223372036854775808', 'ctx': {'le': 9223372036854775807}}"
+    )
+    status, _ = await post(session, url + COMPLETIONS, completion_body(seed=2**63 - 1))
+    assert status == 200
+
+
+async def test_a_validation_errors_long_input_is_cut(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    body = completion_body(temperature="7" * 150 + "x" * 150)
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 400
+    message = vllm_error(answer, "Bad Request", "body.temperature")
+    assert f"'input': '{'7' * 150 + 'x' * 50}...[truncated]'" in message
+
+
+# One error per field here (a dict where a number or a bool goes).
+BAD_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "n", "max_tokens"]
+BAD_FIELDS += ["presence_penalty", "frequency_penalty", "repetition_penalty"]
+BAD_FIELDS += ["min_tokens", "echo"]
+
+
+@pytest.mark.parametrize("count", [10, 11, 12])
+async def test_a_validation_error_lists_ten_errors_and_counts_the_rest(
+    session: aiohttp.ClientSession, url: str, count: int
+) -> None:
+    body = completion_body(**{field: {"bad": 1} for field in BAD_FIELDS[:count]})
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 400
+    param = answer["error"]["param"]
+    lines = vllm_error(answer, "Bad Request", param).split("\n")
+    assert lines[0] == f"{count} validation errors:"
+    assert len(lines) == 1 + min(count, 10) + (count > 10)
+    if count > 10:
+        assert lines[-1] == f"  ...and {count - 10} more errors"
