@@ -140,6 +140,19 @@ async def test_chat_lists_top_logprobs_and_prompt_logprobs_where_asked(
     assert plain["choices"][0]["logprobs"] is None and plain["prompt_logprobs"] is None
 
 
+async def test_a_chat_echo_gets_prompt_logprobs_of_its_top_logprobs(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # vLLM's ChatCompletionRequest.to_sampling_params: with echo and no
+    # prompt_logprobs, the prompt is scored top_logprobs wide.
+    body = chat_body(logprobs=True, top_logprobs=3)
+    _, echoed = await post(session, url + CHAT, {**body, "echo": True})
+    assert echoed["prompt_logprobs"][0] is None
+    assert all(len(scores) in (3, 4) for scores in echoed["prompt_logprobs"][1:])
+    _, plain = await post(session, url + CHAT, body)
+    assert plain["prompt_logprobs"] is None
+
+
 async def test_a_pd_pair_gives_the_logprobs_one_engine_gives(
     session: aiohttp.ClientSession,
 ) -> None:

@@ -381,3 +381,29 @@ async def test_a_validation_error_lists_ten_errors_and_counts_the_rest(
     assert len(lines) == 1 + min(count, 10) + (count > 10)
     if count > 10:
         assert lines[-1] == f"  ...and {count - 10} more errors"
+
+
+# Requests at vLLM's limits, accepted (SamplingParams._verify_args and
+# _validate_logprobs, the OpenAI requests' own checks).
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param(COMPLETIONS, {"prompt_logprobs": 0}, id="prompt-logprobs-0"),
+        pytest.param(COMPLETIONS, {"use_beam_search": True, "n": 10}, id="beam-of-10"),
+        pytest.param(COMPLETIONS, {"temperature": 0, "n": 1}, id="greedy-one"),
+        pytest.param(
+            COMPLETIONS, {"temperature": 1e-5, "n": 2}, id="sampled-at-epsilon"
+        ),
+        pytest.param(
+            CHAT,
+            {"logprobs": True, "logprob_token_ids": list(range(128))},
+            id="128-logprob-token-ids",
+        ),
+    ],
+)
+async def test_requests_at_vllms_limits_are_answered(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]
+) -> None:
+    request = (chat_body if path == CHAT else completion_body)(max_tokens=2, **body)
+    status, answer = await post(session, url + path, request)
+    assert status == 200, answer
