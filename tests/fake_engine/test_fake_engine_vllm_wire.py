@@ -399,11 +399,34 @@ async def test_a_validation_error_lists_ten_errors_and_counts_the_rest(
             {"logprobs": True, "logprob_token_ids": list(range(128))},
             id="128-logprob-token-ids",
         ),
+        pytest.param(
+            CHAT,
+            {"logprobs": True, "logprob_token_ids": [0, VOCAB_SIZE - 1]},
+            id="first-and-last-token-ids-of-the-vocabulary",
+        ),
+        pytest.param(
+            COMPLETIONS,
+            {"presence_penalty": 2.0, "frequency_penalty": -2.0},
+            id="penalties-at-their-bounds",
+        ),
+        pytest.param(COMPLETIONS, {"min_p": 0.0}, id="min-p-0"),
+        pytest.param(COMPLETIONS, {"min_p": 1.0}, id="min-p-1"),
+        pytest.param(COMPLETIONS, {"temperature": 2.0}, id="temperature-2"),
+        pytest.param(
+            COMPLETIONS,
+            {"stream": True, "prompt_logprobs": 0},
+            id="stream-prompt-logprobs-0",
+        ),
+        pytest.param(CHAT, {"top_logprobs": 0}, id="top-logprobs-0-without-logprobs"),
     ],
 )
 async def test_requests_at_vllms_limits_are_answered(
     session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]
 ) -> None:
     request = (chat_body if path == CHAT else completion_body)(max_tokens=2, **body)
+    if request.get("stream"):
+        status, events = await stream(session, url + path, request)
+        assert (status, events[-1]) == (200, "[DONE]")
+        return
     status, answer = await post(session, url + path, request)
     assert status == 200, answer
