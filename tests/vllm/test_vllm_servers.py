@@ -165,3 +165,13 @@ def test_poller_shares_set_each_threads_policy_and_nice_value() -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_an_instance_of_tp_2_is_known_by_its_args(tmp_path: Path) -> None:
+    # Its warm-up gets WARM_UP_COMPILE_S: vLLM compiles on its first forward.
+    server = StallingServer("tp", 0, tmp_path / "tp.log")
+    assert server.tensor_parallel == 1
+    server.spec = EngineSpec("producer", args=("--tensor-parallel-size", "2"))
+    assert server.tensor_parallel == 2
+    server.spec = EngineSpec("producer", args=("--max-num-seqs", "4"))
+    assert server.tensor_parallel == 1

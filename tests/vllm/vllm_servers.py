@@ -80,6 +80,14 @@ START_SILENT_S = 150.0
 # unanswered for WARM_UP_STALL_S is a stalled start, restarted once, with
 # where its threads wait in the startup summary.
 WARM_UP_STALL_S = 90.0
+# An instance of TP > 1 compiles on its first forward, in every rank, even
+# with --enforce-eager: vLLM's VocabParallelEmbedding masks token ids with
+# get_masked_input_and_mask, a torch.compile'd function (inductor, C++ built
+# by g++). Uncached, on two loaded cores, that build alone went past 90 s
+# (a stalled warm-up's threads: cc1plus, and the kernel's .cpp in the
+# inductor cache written 85 s after the request), and a restart builds it
+# again. Such an instance's warm-up gets this long.
+WARM_UP_COMPILE_S = 300.0
 
 # (server, seconds from launch to /health) of every start, for the summary.
 STARTUPS: list[tuple[str, float]] = []
@@ -457,6 +465,13 @@ class VllmServer(Server):
     # summary (the margin START_SILENT_S leaves).
     longest_silence_s: float = 0.0
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The instance's TP size (``--tensor-parallel-size`` in its args)."""
+        args = list(self.spec.args) if self.spec is not None else []
+        flag = "--tensor-parallel-size"
+        return int(args[args.index(flag) + 1]) if flag in args else 1
+
     def start(
         self, spec: EngineSpec, kv_transfer_config: dict[str, Any] | None = None
     ) -> None:
@@ -618,12 +633,13 @@ class VllmServer(Server):
         # Plain vLLM's CPU AMX attention crashes a process whose first forward
         # is a decode (see engine_patch/vllm/worker_side.py); a local request
         # first makes any instance safe, and the timings fair.
+        limit_s = WARM_UP_COMPILE_S if self.tensor_parallel > 1 else WARM_UP_STALL_S
         try:
-            async with asyncio.timeout(WARM_UP_STALL_S):
+            async with asyncio.timeout(limit_s):
                 status, _ = await complete(session, self.url, "warm up", max_tokens=2)
         except TimeoutError:
             raise StartStalled(
-                f"{self.name}: its warm-up got no answer in {WARM_UP_STALL_S:.0f} s"
+                f"{self.name}: its warm-up got no answer in {limit_s:.0f} s"
                 f" ({thread_waits(self.process.pid)})"
             ) from None
         if status != 200:
