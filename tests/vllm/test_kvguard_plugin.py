@@ -557,7 +557,8 @@ def _asgi_app(status: int, chunks: list[bytes], sized: bool) -> Any:
     return app
 
 
-async def _call(app: Any, request_id: str | None) -> tuple[dict[str, Any], bytes]:
+async def _sent(app: Any, request_id: str | None) -> list[dict[str, Any]]:
+    """The ASGI messages the middleware around ``app`` sends for one request."""
     sent: list[dict[str, Any]] = []
     headers = [(b"x-request-id", request_id.encode())] if request_id else []
 
@@ -569,9 +570,12 @@ async def _call(app: Any, request_id: str | None) -> tuple[dict[str, Any], bytes
 
     scope = {"type": "http", "headers": headers}
     await errors.KVChecksumErrorMiddleware(app)(scope, receive, send)
-    start = sent[0]
-    body = b"".join(m.get("body", b"") for m in sent[1:])
-    return start, body
+    return sent
+
+
+async def _call(app: Any, request_id: str | None) -> tuple[dict[str, Any], bytes]:
+    start, *bodies = await _sent(app, request_id)
+    return start, b"".join(m.get("body", b"") for m in bodies)
 
 
 GENERIC = json.dumps({"error": {"message": "Internal server error"}}).encode()
@@ -608,17 +612,7 @@ async def test_middleware_leaves_other_errors_alone(request_id: str | None) -> N
 async def test_middleware_passes_other_responses_through_chunk_by_chunk() -> None:
     errors.record_failures({"cmpl-req-6-0-deadbeef": "KV checksum mismatch: p"})
     chunks = [b'{"choices": ', b"[]}"]
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    scope = {"type": "http", "headers": [(b"x-request-id", b"req-6")]}
-    app = _asgi_app(200, chunks, sized=True)
-    await errors.KVChecksumErrorMiddleware(app)(scope, receive, send)
+    sent = await _sent(_asgi_app(200, chunks, sized=True), "req-6")
     assert [m.get("body") for m in sent] == [None, *chunks]
     assert dict(sent[0]["headers"])[b"content-length"] == b"15"
 
