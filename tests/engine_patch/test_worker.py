@@ -579,6 +579,11 @@ def test_bad_layers_and_blocks_raise() -> None:
         )
     with pytest.raises(ValueError, match="replica"):
         KVChecksumWorker([KVLayer("a", 0, 0, kv, KVLayout.PACKED_NHD, replica_index=1)])
+    # Negative coordinates would weigh pieces as no peer does.
+    with pytest.raises(ValueError, match="negative index or head offset"):
+        KVChecksumWorker([KVLayer("a", -1, 0, kv, KVLayout.PACKED_NHD)])
+    with pytest.raises(ValueError, match="negative index or head offset"):
+        KVChecksumWorker([KVLayer("a", 0, 0, kv, KVLayout.PACKED_NHD, head_offset=-1)])
     worker = KVChecksumWorker([KVLayer("a", 0, 0, kv, KVLayout.PACKED_NHD)])
     with pytest.raises(ValueError, match="block ids"):
         load_values(worker, 8, 0, [0, 8])

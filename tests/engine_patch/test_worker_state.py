@@ -214,6 +214,34 @@ def test_one_step_checksums_attention_and_state_groups_together() -> None:
     assert set(got["attention"]) == {0} and set(got["state"]) == {1}
 
 
+@pytest.mark.parametrize("rows", ["contiguous", "transposed"])
+def test_a_state_written_after_registration_is_checksummed_as_it_is_now(
+    rows: str,
+) -> None:
+    # A block's state whose bytes are not one run (a transposed view) is
+    # gathered at each pass; one that is is read in place. Neither is a copy
+    # taken when the worker registered it.
+    base = random_tensor((NUM_BLOCKS, 8, 4), torch.bfloat16, 12)
+    state = base.transpose(1, 2) if rows == "transposed" else base
+    assert state[0].is_contiguous() == (rows == "contiguous")
+
+    def worker_of(state: torch.Tensor) -> KVChecksumWorker:
+        return KVChecksumWorker(
+            [KVStateLayer("model.layers.0.mixer", 0, 0, (StateTensor(state),))]
+        )
+
+    worker = worker_of(state)
+    before = state_values(worker, {"r": 2})["r"][0, 0]
+    state[2] = random_tensor(tuple(state.shape[1:]), torch.bfloat16, 13)
+    after = state_values(worker, {"r": 2})["r"][0, 0]
+    assert after != before
+    assert after == state_values(worker_of(state.contiguous()), {"r": 2})["r"][0, 0]
+    with pytest.raises(ValueError, match="negative index"):
+        KVChecksumWorker(
+            [KVStateLayer("model.layers.0.mixer", -1, 0, (StateTensor(state),))]
+        )
+
+
 def test_a_group_cannot_mix_attention_and_state_layers() -> None:
     attention = layers_in_one_buffer(KVLayout.PACKED_HND, torch.bfloat16)
     specs = mamba2_states("DS")
