@@ -176,6 +176,33 @@ async def test_stop_token_id_ends_the_output_with_it(
     assert stopped["usage"]["completion_tokens"] == first + 1
 
 
+async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # As vLLM: the stop conditions of the k-th output token are checked only
+    # once k > min_tokens (a stop string's text at k is then passed over).
+    body = completion_body(max_tokens=40, return_token_ids=True)
+    _, free = await post(session, url + COMPLETIONS, body)
+    ids = free["choices"][0]["token_ids"]
+    text = text_of(free)
+    # Byte tokens: the k-th token's text is the k-th character.
+    assert len(text) == len(ids)
+    k = next(k for k in range(4, len(ids)) if ids[k - 1] not in ids[: k - 1])
+    for stop in ({"stop_token_ids": [ids[k - 1]]}, {"stop": [text[k - 1]]}):
+        _, ended = await post(
+            session, url + COMPLETIONS, {**body, **stop, "min_tokens": k - 1}
+        )
+        _, held = await post(
+            session, url + COMPLETIONS, {**body, **stop, "min_tokens": k}
+        )
+        assert ended["choices"][0]["finish_reason"] == "stop"
+        assert ended["usage"]["completion_tokens"] == k
+        assert held["usage"]["completion_tokens"] > k
+    # A stop string passed over leaves the text as it was. (vLLM's sampler
+    # masks stop tokens until min_tokens, so their output is not compared.)
+    assert held["choices"][0]["token_ids"][:k] == ids[:k]
+
+
 async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
     session: aiohttp.ClientSession, url: str
 ) -> None:

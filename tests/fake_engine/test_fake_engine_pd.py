@@ -189,16 +189,36 @@ async def test_concurrent_pd_requests_all_equal_monolithic(
     assert await metric(session, decode_url, "kvguard_kv_checksum_verified_total") == 8
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(None, id="no-source"),
+        pytest.param([], id="no-block-ids"),
+        pytest.param([[]], id="an-empty-group"),
+    ],
+)
 async def test_decode_without_remote_params_prefills_locally(
-    session: aiohttp.ClientSession, pair: list[str]
+    session: aiohttp.ClientSession,
+    pair: list[str],
+    edit: list | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _, decode_url, alone_url = pair
+    prefill_url, decode_url, alone_url = pair
     _, alone = await post(session, alone_url + COMPLETIONS, completion_body())
-    # As vLLM: invalid kv_transfer_params are logged and not used.
-    body = completion_body(kv_transfer_params={"do_remote_prefill": True})
-    status, decoded = await post(session, decode_url + COMPLETIONS, body)
+    # As vLLM: invalid kv_transfer_params are logged and not used. A source
+    # with no blocks to pull has nothing to load from.
+    if edit is None:
+        params = {"do_remote_prefill": True}
+    else:
+        params = await prefill(session, prefill_url, COMPLETIONS, completion_body())
+        params["remote_block_ids"] = edit
+    body = completion_body(kv_transfer_params=params)
+    with caplog.at_level(logging.WARNING, logger="fake_engine"):
+        status, decoded = await post(session, decode_url + COMPLETIONS, body)
     assert status == 200
     assert text_of(decoded) == text_of(alone)
+    assert "Got invalid KVTransferParams" in caplog.text
+    assert await metric(session, decode_url, "kvguard_kv_checksum_verified_total") == 0
 
 
 async def test_engine_with_both_roles_serves_as_prefill_and_decode(
