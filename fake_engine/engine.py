@@ -250,7 +250,6 @@ class Engine:
         """
         if self.stopped:
             raise EngineStoppedError("the engine is stopped")
-        request.hash_block_size = self.config.block_size
         params = request.kv_transfer_params
         if (
             params

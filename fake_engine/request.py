@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +111,6 @@ class EngineRequest:
     # Other ids the request answers to (abort): the caller's X-Request-Id,
     # the API's response id.
     aliases: tuple[str, ...] = ()
-    # Token span of one entry of ``block_hashes`` (the engine's block size).
-    hash_block_size: int = 16
     # Mixed into every pick (0: none), so that the choices of one prompt
     # differ as sampled ones would; a pick stays a function of the KV.
     seed: int = 0
@@ -146,15 +143,12 @@ class EngineRequest:
 
     @property
     def block_hashes(self) -> list[bytes]:
-        """Prefix hashes of the request's full blocks."""
-        return block_hashes(self.all_token_ids, self.hash_block_size)
+        """None: engine_patch reads block hashes only for loads of offloaded
+        KV, and the fake engine offloads nothing (``_PDConnector``)."""
+        return []
 
     def get_finished_reason(self) -> int | None:
         return self.finish_reason
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def finished(self) -> bool:
@@ -209,16 +203,3 @@ class EngineRequest:
     @property
     def text(self) -> str:
         return self._text
-
-
-def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """vLLM-style prefix hashes of each full block: its tokens chained to the
-    hash of the blocks before it."""
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start : start + block_size]
-        digest = hashlib.blake2b(parent + bytes(str(block), "ascii"), digest_size=16)
-        parent = digest.digest()
-        hashes.append(parent)
-    return hashes
