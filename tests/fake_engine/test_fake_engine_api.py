@@ -158,6 +158,24 @@ async def test_stop_string_ends_the_text(
     assert events[-2]["choices"][0]["stop_reason"] == stop
 
 
+async def test_a_stream_holds_back_only_what_could_still_become_a_stop_string(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # As vLLM's detokenizer: each event's text lags the output by the longest
+    # stop string less one character ("#" is no generated character).
+    body = completion_body(max_tokens=8, stream=True)
+    _, free = await post(session, url + COMPLETIONS, {**body, "stream": False})
+    text = text_of(free)
+    for stop, lag in ((["#"], 0), (["#", "###"], 2)):
+        _, events = await stream(session, url + COMPLETIONS, {**body, "stop": stop})
+        texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict)]
+        # One event per token; the last one has the rest.
+        assert len(texts) == len(text)
+        sent = [len("".join(texts[: i + 1])) for i in range(len(texts) - 1)]
+        assert sent == [max(0, n - lag) for n in range(1, len(text))]
+        assert "".join(texts) == text
+
+
 async def test_stop_token_id_ends_the_output_with_it(
     session: aiohttp.ClientSession, url: str
 ) -> None:
