@@ -28,6 +28,7 @@ from worker_helpers import (
     mamba2_states,
     random_tensor,
     rank_layers,
+    share,
     state_values,
     unsharded,
 )
@@ -119,6 +120,33 @@ def test_states_of_unknown_split_add_up_between_peers_of_one_tp_size() -> None:
     assert sums[0] == sums[1] != sums[2]
     # Not the unsharded state's value: a peer of another TP size differs.
     assert sums[0] != reference(states, 1)
+    # It is that of the ranks' shares one after the other.
+    shares = [
+        KVStateLayer(
+            f"model.layers.{index}.mixer",
+            index,
+            0,
+            tuple(
+                StateTensor(
+                    torch.cat(
+                        [
+                            share(
+                                state,
+                                StateShard.split(
+                                    spec.shape, spec.dim, 2, r, spec.parts
+                                ),
+                            ).flatten(1)
+                            for r in range(2)
+                        ],
+                        dim=1,
+                    )
+                )
+                for spec, state in zip(specs, layer_states, strict=True)
+            ),
+        )
+        for index, layer_states in enumerate(unsharded(specs, 2, seed=6))
+    ]
+    assert sums[0] == state_values(KVChecksumWorker(shares), {"r": 1})["r"][0, 0]
     known = KVChecksumWorker(rank_layers(specs, states, 2, 0)).fingerprints
     unknown = KVChecksumWorker(
         rank_layers(specs, states, 2, 0, known_split=False)
@@ -214,14 +242,15 @@ def test_one_step_checksums_attention_and_state_groups_together() -> None:
     assert set(got["attention"]) == {0} and set(got["state"]) == {1}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows", ["contiguous", "transposed"])
 def test_a_state_written_after_registration_is_checksummed_as_it_is_now(
-    rows: str,
+    rows: str, dtype: torch.dtype
 ) -> None:
     # A block's state whose bytes are not one run (a transposed view) is
     # gathered at each pass; one that is is read in place. Neither is a copy
     # taken when the worker registered it.
-    base = random_tensor((NUM_BLOCKS, 8, 4), torch.bfloat16, 12)
+    base = random_tensor((NUM_BLOCKS, 8, 4), dtype, 12)
     state = base.transpose(1, 2) if rows == "transposed" else base
     assert state[0].is_contiguous() == (rows == "contiguous")
 
@@ -232,7 +261,7 @@ def test_a_state_written_after_registration_is_checksummed_as_it_is_now(
 
     worker = worker_of(state)
     before = state_values(worker, {"r": 2})["r"][0, 0]
-    state[2] = random_tensor(tuple(state.shape[1:]), torch.bfloat16, 13)
+    state[2] = random_tensor(tuple(state.shape[1:]), dtype, 13)
     after = state_values(worker, {"r": 2})["r"][0, 0]
     assert after != before
     assert after == state_values(worker_of(state.contiguous()), {"r": 2})["r"][0, 0]
