@@ -294,6 +294,20 @@ def test_a_state_that_is_not_its_shards_share_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param(torch.zeros(NUM_BLOCKS, dtype=torch.float32), id="no-state-dims"),
+        pytest.param(torch.zeros(NUM_BLOCKS, 4, dtype=torch.complex128), id="16-bytes"),
+    ],
+)
+def test_a_state_not_blocks_of_1_2_4_or_8_byte_elements_is_refused(
+    state: torch.Tensor,
+) -> None:
+    with pytest.raises(ValueError, match=r"is not \[blocks, \.\.\.\]"):
+        KVChecksumWorker([KVStateLayer("m", 0, 0, (StateTensor(state),))])
+
+
 def test_state_views_cut_pages_as_vllm_binds_them() -> None:
     shapes = [(CONV_DIM // 2, CONV - 1), (HEADS // 2, HEAD_DIM, STATE)]
     dtypes = [torch.bfloat16, torch.float32]
