@@ -156,6 +156,13 @@ async def test_stop_string_ends_the_text(
     _, events = await stream(session, url + COMPLETIONS, body)
     assert streamed_text(events) == text[:first]
     assert events[-2]["choices"][0]["stop_reason"] == stop
+    # Kept where asked; found at the very start too.
+    body = completion_body(max_tokens=40, stop=[stop], include_stop_str_in_output=True)
+    _, kept = await post(session, url + COMPLETIONS, body)
+    assert text_of(kept) == text[: first + len(stop)]
+    body = completion_body(max_tokens=40, stop=[text[:2]])
+    _, at_start = await post(session, url + COMPLETIONS, body)
+    assert (text_of(at_start), at_start["choices"][0]["finish_reason"]) == ("", "stop")
 
 
 async def test_a_stream_holds_back_only_what_could_still_become_a_stop_string(
@@ -205,7 +212,8 @@ async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
     text = text_of(free)
     # Byte tokens: the k-th token's text is the k-th character.
     assert len(text) == len(ids)
-    k = next(k for k in range(4, len(ids)) if ids[k - 1] not in ids[: k - 1])
+    # The k-th token's is its only occurrence.
+    k = next(k for k in range(4, len(ids)) if ids.count(ids[k - 1]) == 1)
     for stop in ({"stop_token_ids": [ids[k - 1]]}, {"stop": [text[k - 1]]}):
         _, ended = await post(
             session, url + COMPLETIONS, {**body, **stop, "min_tokens": k - 1}
@@ -216,9 +224,9 @@ async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
         assert ended["choices"][0]["finish_reason"] == "stop"
         assert ended["usage"]["completion_tokens"] == k
         assert held["usage"]["completion_tokens"] > k
-    # A stop string passed over leaves the text as it was. (vLLM's sampler
-    # masks stop tokens until min_tokens, so their output is not compared.)
-    assert held["choices"][0]["token_ids"][:k] == ids[:k]
+    # A stop string passed over is not found later. (vLLM's sampler masks
+    # stop tokens until min_tokens, so their output is not compared.)
+    assert (text_of(held), held["choices"][0]["finish_reason"]) == (text, "length")
 
 
 async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
