@@ -18,7 +18,7 @@ from fake_engine_helpers import (
     text_of,
 )
 
-from fake_engine.tokenizer import encode
+from fake_engine.tokenizer import EOS_TOKEN_ID, encode
 
 BEAMS = {"use_beam_search": True, "n": 3}
 
@@ -44,6 +44,38 @@ async def test_the_best_beams_are_the_choices_best_first(
     # The model's own picks are a beam, and the likeliest one here.
     _, greedy = await post(session, url + COMPLETIONS, completion_body())
     assert choices[0]["text"] == text_of(greedy)
+
+
+async def test_beams_are_ranked_by_vllms_score_its_length_penalty_included(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # vLLM's get_beam_search_score: the beam's logprob over its length (the
+    # prompt's tokens included, a final EOS not) to the length_penalty.
+    body = completion_body(
+        max_tokens=150,
+        ignore_eos=False,
+        logprobs=1,
+        include_stop_str_in_output=True,
+        return_token_ids=True,
+        **BEAMS,
+    )
+    reasons = {}
+    for penalty in (1.0, 2.0):
+        _, answer = await post(
+            session, url + COMPLETIONS, {**body, "length_penalty": penalty}
+        )
+        num_prompt = answer["usage"]["prompt_tokens"]
+        scores = []
+        for choice in answer["choices"]:
+            ids = choice["token_ids"]
+            length = num_prompt + len(ids) - (ids[-1] == EOS_TOKEN_ID)
+            logprob = sum(choice["logprobs"]["token_logprobs"])
+            scores.append(logprob / length**penalty)
+        assert scores == sorted(scores, reverse=True)
+        reasons[penalty] = [c["finish_reason"] for c in answer["choices"]]
+    # This prompt's one beam that ends in EOS is a third as long as the
+    # others: the best under penalty 1, out under 2.
+    assert reasons == {1.0: ["stop", "length", "length"], 2.0: ["length"] * 3}
 
 
 async def test_a_chat_beam_search_streams_each_beam_whole(
