@@ -466,8 +466,11 @@ def test_a_load_without_its_stored_values_is_not_reported() -> None:
 
 def test_init_block_checksums_needs_a_hash_per_block() -> None:
     worker = offload_worker(make_kv(KVLayout.PACKED_HND, torch.bfloat16, "contiguous"))
-    with pytest.raises(ValueError, match="block hashes"):
-        worker.init_block_checksums(KVChecksumBlocks(8, {0: (0, [0, 1])}), {0: [b"x"]})
+    blocks = KVChecksumBlocks(8, {0: (0, [0, 1])})
+    with pytest.raises(ValueError, match="2 blocks but 1 block hashes"):
+        worker.init_block_checksums(blocks, {0: [b"x"]})
+    with pytest.raises(ValueError, match="2 blocks but no block hashes"):
+        worker.init_block_checksums(blocks, {})
 
 
 def test_record_lifecycle() -> None:
@@ -549,8 +552,10 @@ def test_distinct_layers_sharing_an_index_both_count_with_a_warning(
     layers = [
         KVLayer("model.layers.0.self_attn", 0, 0, kv, KVLayout.PACKED_NHD),
         KVLayer("model.layers.0.cross_attn", 0, 0, kv.flip(0), KVLayout.PACKED_NHD),
+        KVLayer("model.layers.1.self_attn", 1, 0, kv.roll(1, 0), KVLayout.PACKED_NHD),
     ]
     worker = KVChecksumWorker(layers)
+    # Only the shared index is named.
     assert "share a layer index ([0])" in caplog.text
     assert column_sums(load_values(worker, 9, 0, [4, 5])) == checksums(
         layers, 0, [4, 5], 9

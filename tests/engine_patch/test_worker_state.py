@@ -89,6 +89,16 @@ def test_tp_partials_of_state_groups_add_up_to_the_slow_reference(
     }
 
 
+def test_shares_of_one_row_per_rank_add_up_to_the_slow_reference() -> None:
+    specs = [StateSpec((4, 8), torch.float32, 0)]
+    states = unsharded(specs, 1, seed=9)
+    total = 0
+    for rank in range(4):
+        worker = KVChecksumWorker(rank_layers(specs, states, 4, rank), tp_rank=rank)
+        total += int(state_values(worker, {"r": 1})["r"][0, 0])
+    assert total % MOD == reference(states, 1)
+
+
 def test_a_state_of_pieces_not_whole_is_zero_padded() -> None:
     # 3 x 5 bf16 = 30 bytes: 4 pieces, the last one 6 bytes and 2 zeros.
     spec = StateSpec((3, 5), torch.bfloat16, 1)
@@ -279,19 +289,20 @@ def test_a_group_cannot_mix_attention_and_state_layers() -> None:
         KVChecksumWorker([*attention, *mamba])
 
 
-def test_a_state_that_is_not_its_shards_share_is_refused() -> None:
+@pytest.mark.parametrize(
+    "shard",
+    [
+        pytest.param(StateShard((8, 8), 0, ((0, 2),)), id="other-shape"),
+        pytest.param(StateShard((8, 8), 2, ((0, 4),)), id="no-such-dim"),
+        pytest.param(StateShard((8, 8), 0, ((-2, 4),)), id="run-before-0"),
+        pytest.param(StateShard((8, 8), 0, ((6, 4),)), id="run-past-the-end"),
+        pytest.param(StateShard((8, 8), 0, ((0, 4), (4, 0))), id="empty-run"),
+    ],
+)
+def test_a_state_that_is_not_its_shards_share_is_refused(shard: StateShard) -> None:
     state = torch.zeros(NUM_BLOCKS, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not a share"):
-        KVChecksumWorker(
-            [
-                KVStateLayer(
-                    "m",
-                    0,
-                    0,
-                    (StateTensor(state, StateShard((8, 8), 0, ((0, 2),))),),
-                )
-            ]
-        )
+        KVChecksumWorker([KVStateLayer("m", 0, 0, (StateTensor(state, shard),))])
 
 
 @pytest.mark.parametrize(
