@@ -89,6 +89,13 @@ def test_tp_partials_of_state_groups_add_up_to_the_slow_reference(
     }
 
 
+def test_a_state_of_one_dim_per_block_is_checksummed() -> None:
+    state = random_tensor((NUM_BLOCKS, 6), torch.float32, 14)
+    worker = KVChecksumWorker([KVStateLayer("m", 0, 0, (StateTensor(state),))])
+    assert worker.skipped_groups == frozenset()
+    assert state_values(worker, {"r": 3})["r"][0, 0] == reference([[state]], 3)
+
+
 def test_shares_of_one_row_per_rank_add_up_to_the_slow_reference() -> None:
     specs = [StateSpec((4, 8), torch.float32, 0)]
     states = unsharded(specs, 1, seed=9)
