@@ -23,8 +23,9 @@ from fake_engine_helpers import (
     streamed_text,
     text_of,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter
 
 from fake_engine.testing import EngineSpec, fake_engines
 from tests.support.requests import request_bodies
@@ -541,6 +542,9 @@ async def test_in_process_engines_compute_on_one_torch_thread_until_they_stop() 
         torch.set_num_threads(before)
 
 
+_STREAM = TypeAdapter(bool | None)
+
+
 @settings(
     max_examples=100,
     deadline=None,
@@ -548,18 +552,24 @@ async def test_in_process_engines_compute_on_one_torch_thread_until_they_stop() 
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(body=request_bodies(), chat=st.booleans())
+@example(body={"prompt": "hi", "stream": 1}, chat=False)
 async def test_any_json_body_gets_a_reply_or_vllms_error_json(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], chat: bool
 ) -> None:
     path = CHAT if chat else COMPLETIONS
     async with session.post(url + path, json=body) as response:
         status, data = response.status, await response.read()
+        content_type = response.content_type
     assert status in (200, 400, 404), data
     if status != 200:
         error = msgspec.json.decode(data)["error"]
         assert error["code"] == status
         assert isinstance(error["message"], str)
-    elif body.get("stream") is True:
+        return
+    # vLLM's field is a pydantic bool: 1, 1.0 and "yes" stream too.
+    streams = _STREAM.validate_python(body.get("stream"))
+    assert (content_type == "text/event-stream") == bool(streams)
+    if streams:
         assert data.endswith(b"data: [DONE]\n\n")
     else:
         assert msgspec.json.decode(data)["choices"]
