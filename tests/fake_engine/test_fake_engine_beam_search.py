@@ -4,6 +4,7 @@ logprob over length) the choices."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import aiohttp
@@ -148,11 +149,12 @@ async def test_a_beams_eos_is_in_its_tokens_only_where_asked_never_in_its_text(
         max_tokens=150, ignore_eos=False, return_token_ids=True, **BEAMS
     )
     texts = {}
-    for keep in (False, True):
-        _, answer = await post(
-            session, url + COMPLETIONS, {**body, "include_stop_str_in_output": keep}
-        )
+    # As vLLM's beam search, which decodes a beam without its final EOS:
+    # not even a request that keeps special tokens sees it.
+    for keep, skip in itertools.product((False, True), (True, False)):
+        fields = {"include_stop_str_in_output": keep, "skip_special_tokens": skip}
+        _, answer = await post(session, url + COMPLETIONS, {**body, **fields})
         (stopped, *_) = [c for c in answer["choices"] if c["finish_reason"] == "stop"]
         assert (stopped["token_ids"][-1] == 256) is keep
-        texts[keep] = stopped["text"]
-    assert texts[True] == texts[False] and texts[False]
+        texts[keep, skip] = stopped["text"]
+    assert len(set(texts.values())) == 1 and texts[False, True]

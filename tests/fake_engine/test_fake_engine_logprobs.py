@@ -51,6 +51,10 @@ def test_prompt_logprobs_rank_each_prompt_token_then_the_likeliest() -> None:
         assert [e.rank for e in entries[1:]] == [
             r for r in (1, 2) if r != entries[0].rank
         ]
+        # A token the model never picks (a capital, ";") ranks past the 21
+        # likeliest it keeps ranks of.
+        if not chr(token_id).islower() and token_id != ord(" "):
+            assert entries[0].rank > 21
 
 
 async def test_completion_logprobs_name_each_token_and_its_likeliest_rivals(
