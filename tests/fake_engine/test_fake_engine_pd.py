@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 import pytest
@@ -187,6 +188,19 @@ async def test_concurrent_pd_requests_all_equal_monolithic(
     )
     assert [text_of(r) for _, r in decoded] == [text_of(r) for _, r in alone]
     assert await metric(session, decode_url, "kvguard_kv_checksum_verified_total") == 8
+
+
+async def test_workers_count_the_time_and_bytes_they_checksum(
+    session: aiohttp.ClientSession, pair: list[str]
+) -> None:
+    prefill_url, decode_url, _ = pair
+    start = time.perf_counter()
+    await pd(session, prefill_url, decode_url, COMPLETIONS, completion_body())
+    elapsed = time.perf_counter() - start
+    for url in (prefill_url, decode_url):
+        seconds = await metric(session, url, "kvguard_kv_checksum_seconds_total")
+        assert 0 < seconds < elapsed
+        assert await metric(session, url, "kvguard_kv_checksum_bytes_total") > 0
 
 
 @pytest.mark.parametrize(
