@@ -303,6 +303,37 @@ def test_gqa_replicas_are_keyed_and_each_copy_adds_up() -> None:
     assert per_copy[1].tolist() == expected
 
 
+def test_layers_of_different_replica_keys_fill_their_own_columns() -> None:
+    # Layers with other KV head counts in one group: on this rank one holds
+    # its own heads, the other a second copy of replicated ones.
+    kv_a = random_tensor((8, 4, 2, 16), torch.bfloat16, seed=5)
+    kv_b = random_tensor((8, 4, 2, 16), torch.bfloat16, seed=6)
+    a = KVLayer("model.layers.0.attn", 0, 0, kv_a, KVLayout.PACKED_NHD)
+    b = KVLayer(
+        "model.layers.1.attn",
+        1,
+        0,
+        kv_b,
+        KVLayout.PACKED_NHD,
+        replicas=2,
+        replica_index=1,
+    )
+    worker = KVChecksumWorker([a, b], tp_rank=1)
+    loads = {
+        "r": KVChecksumBlocks(7, {0: (0, [2, 5])}),
+        "s": KVChecksumBlocks(5, {0: (0, [6, 1])}),
+    }
+    worker.begin_step(KVChecksumScheduled(reqs_to_recv=loads))
+    worker.on_loads_finished(list(loads))
+    record = worker.take_record()
+    assert record is not None
+    for req_id, (num_tokens, block_ids) in {"r": (7, [2, 5]), "s": (5, [6, 1])}.items():
+        group = record.checksums[req_id][0]
+        assert group.replica_keys == [(1, 0), (2, 1)]
+        assert group.values[:, 0].tolist() == checksums([a], 0, block_ids, num_tokens)
+        assert group.values[:, 1].tolist() == checksums([b], 0, block_ids, num_tokens)
+
+
 def test_sends_report_only_replica_0_so_the_ranks_sum_to_the_model() -> None:
     kv = random_tensor((4, 16, 2, 32), torch.bfloat16, seed=3)
     expected = checksums([KVLayer("l", 0, 0, kv, KVLayout.PACKED_NHD)], 0, [3, 1], 20)
