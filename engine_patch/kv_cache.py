@@ -133,12 +133,15 @@ def sliding_window_transfer_blocks(spec: KVCacheSpec) -> int:
     """How many of a request's last blocks P/D connectors transfer for a
     sliding-window group; 0 for other groups (all blocks).
 
-    A token attends to the ``sliding_window - 1`` tokens before it, which
-    span at most ``cdiv(sliding_window - 1, block_size) + 1`` blocks.
+    vLLM's NixlConnector moves ``cdiv(sliding_window, block_size) + 1``
+    (its ``blocks_per_sw``): the window's blocks and one more for a window
+    not aligned with them. Each of them is compared, even the one a window
+    one token past whole blocks (17 tokens of 16-token blocks) never reads:
+    a loaded block left unverified could be reused from the prefix cache.
     """
     if not isinstance(spec, SlidingWindowSpec):
         return 0
-    return cdiv(spec.sliding_window - 1, spec.block_size) + 1
+    return cdiv(spec.sliding_window, spec.block_size) + 1
 
 
 def clip_ssm_state_blocks(
