@@ -51,8 +51,25 @@ def test_chat_template_renders_roles_and_the_generation_prompt() -> None:
     assert apply_chat_template(messages) == (
         "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     )
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(ChatTemplateError, match="part type 'image_url'"):
         apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ChatTemplateError, match="has no role"):
+        apply_chat_template([{"role": "", "content": "Hi"}])
+
+
+def test_continuing_the_final_message_leaves_it_open() -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hel"},
+    ]
+    closed = "<|user|>\nHi\n<|assistant|>\nHel\n"
+    assert apply_chat_template(messages, add_generation_prompt=False) == closed
+    assert (
+        apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
+        == closed[:-1]
+    )
 
 
 def test_kv_of_a_token_depends_on_its_whole_prefix() -> None:
