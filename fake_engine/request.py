@@ -143,8 +143,8 @@ class EngineRequest:
 
     @property
     def block_hashes(self) -> list[bytes]:
-        """None: engine_patch reads block hashes only for loads of offloaded
-        KV, and the fake engine offloads nothing (``_PDConnector``)."""
+        """No hashes: engine_patch reads them only for loads of offloaded KV,
+        and the fake engine offloads nothing (``_PDConnector``)."""
         return []
 
     def get_finished_reason(self) -> int | None:
