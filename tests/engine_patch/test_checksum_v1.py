@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from worker_helpers import recv_all
 
 from engine_patch.hashing import (
     block_checksum_tags,
@@ -24,7 +25,6 @@ from engine_patch.hashing import (
     position_weights,
     splitmix64,
 )
-from engine_patch.types import KVChecksumBlocks, KVChecksumScheduled
 from engine_patch.worker import (
     KVChecksumWorker,
     KVLayer,
@@ -43,14 +43,6 @@ def _bytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = int(np.prod(shape)) * size
     raw = (np.arange(count, dtype=np.uint64) * 2654435761 >> np.uint64(7)) % 256
     return torch.from_numpy(raw.astype(np.uint8)).view(*lead, last * size).view(dtype)
-
-
-def _values(worker: KVChecksumWorker, blocks: KVChecksumBlocks) -> list[int]:
-    worker.begin_step(KVChecksumScheduled(reqs_to_recv={"r": blocks}))
-    worker.on_loads_finished(["r"])
-    record = worker.take_record()
-    assert record is not None
-    return [int(v) for v in record.checksums["r"][0].values.ravel()]
 
 
 def test_the_weights_and_mix_are_v1s() -> None:
@@ -81,12 +73,12 @@ def test_a_pass_over_attention_kv_gives_v1s_values() -> None:
     # holds 3 of its 4 tokens.
     kv = _bytes_of((2, 3, 4, 2, 8), torch.bfloat16)
     layer = KVLayer("model.layers.1.self_attn", 1, 0, kv, KVLayout.SPLIT, head_offset=2)
-    values = _values(KVChecksumWorker([layer]), KVChecksumBlocks(7, {0: (0, [2, 0])}))
-    assert values == [0xC11E4BB33CF701A7, 0x69F2286EF0D22086]
+    values = recv_all(KVChecksumWorker([layer]), [("r", 7, {0: (0, [2, 0])})])
+    assert values["r"][0].ravel().tolist() == [0xC11E4BB33CF701A7, 0x69F2286EF0D22086]
 
 
 def test_a_pass_over_a_state_gives_v1s_value() -> None:
     state = _bytes_of((3, 3, 4), torch.float32)
     layer = KVStateLayer("model.layers.2.mixer", 2, 0, (StateTensor(state),))
-    values = _values(KVChecksumWorker([layer]), KVChecksumBlocks(9, {0: (0, [1])}))
-    assert values == [0x27ECC31BE277E207]
+    values = recv_all(KVChecksumWorker([layer]), [("r", 9, {0: (0, [1])})])
+    assert values["r"][0].ravel().tolist() == [0x27ECC31BE277E207]

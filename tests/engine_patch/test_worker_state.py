@@ -138,32 +138,26 @@ def test_states_of_unknown_split_add_up_between_peers_of_one_tp_size() -> None:
     # Not the unsharded state's value: a peer of another TP size differs.
     assert sums[0] != reference(states, 1)
     # It is that of the ranks' shares one after the other.
-    shares = [
+
+    def shares_in_rank_order(spec: StateSpec, state: torch.Tensor) -> torch.Tensor:
+        shards = [
+            StateShard.split(spec.shape, spec.dim, 2, r, spec.parts) for r in (0, 1)
+        ]
+        return torch.cat([share(state, shard).flatten(1) for shard in shards], dim=1)
+
+    joined = [
         KVStateLayer(
             f"model.layers.{index}.mixer",
             index,
             0,
             tuple(
-                StateTensor(
-                    torch.cat(
-                        [
-                            share(
-                                state,
-                                StateShard.split(
-                                    spec.shape, spec.dim, 2, r, spec.parts
-                                ),
-                            ).flatten(1)
-                            for r in range(2)
-                        ],
-                        dim=1,
-                    )
-                )
+                StateTensor(shares_in_rank_order(spec, state))
                 for spec, state in zip(specs, layer_states, strict=True)
             ),
         )
-        for index, layer_states in enumerate(unsharded(specs, 2, seed=6))
+        for index, layer_states in enumerate(states)
     ]
-    assert sums[0] == state_values(KVChecksumWorker(shares), {"r": 1})["r"][0, 0]
+    assert sums[0] == state_values(KVChecksumWorker(joined), {"r": 1})["r"][0, 0]
     known = KVChecksumWorker(rank_layers(specs, states, 2, 0)).fingerprints
     unknown = KVChecksumWorker(
         rank_layers(specs, states, 2, 0, known_split=False)
@@ -282,10 +276,12 @@ def test_a_state_written_after_registration_is_checksummed_as_it_is_now(
     after = state_values(worker, {"r": 2})["r"][0, 0]
     assert after != before
     assert after == state_values(worker_of(state.contiguous()), {"r": 2})["r"][0, 0]
+
+
+def test_a_state_layer_of_negative_index_is_refused() -> None:
+    state = torch.zeros(NUM_BLOCKS, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="negative index"):
-        KVChecksumWorker(
-            [KVStateLayer("model.layers.0.mixer", -1, 0, (StateTensor(state),))]
-        )
+        KVChecksumWorker([KVStateLayer("m", -1, 0, (StateTensor(state),))])
 
 
 def test_a_group_cannot_mix_attention_and_state_layers() -> None:
