@@ -198,14 +198,15 @@ def _nameserver(value: str) -> str:
         ValueError: not an IP address with an optional port.
     """
     host, port = value, None
-    if value.startswith("["):
-        host, _, rest = value[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else (rest or None)
-        if rest and not rest.startswith(":"):
-            raise ValueError(f"bad nameserver {value!r}")
-    elif value.count(":") == 1:
-        host, port = value.split(":")
     try:
+        if value.startswith("["):
+            # c-ares refuses "[::1" as a misformatted string.
+            host, bracket, rest = value[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError
+            port = rest[1:] if rest else None
+        elif value.count(":") == 1:
+            host, port = value.split(":")
         address = ipaddress.ip_address(host)
         # c-ares refuses (or drops) what int() and ip_address() let through:
         # " 53", "5_3", non-ASCII digits, a scope id such as %eth0.

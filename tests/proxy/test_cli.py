@@ -148,6 +148,16 @@ def test_toy_proxy_flags_pair_hosts_with_ports():
     assert config.models["*"].prefill.instances[0].url == "http://[::1]:8100"
 
 
+def test_backends_on_the_command_line_need_both_roles_and_no_config_file(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("models: {}\n")
+    for flags in (["--prefill", "http://p:1"], ["--decode", "http://d:2"]):
+        with pytest.raises(ConfigError, match="either --config or backend URLs"):
+            config_from_args(build_parser().parse_args(["--config", str(path), *flags]))
+        with pytest.raises(ConfigError, match="no backends"):
+            config_from_args(build_parser().parse_args(flags))
+
+
 @pytest.mark.parametrize("port", ["70000", "-1"])
 def test_a_port_flag_out_of_range_is_a_config_error(port):
     args = ["--prefill", "http://p:1", "--decode", "http://d:2", "--port", port]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -109,6 +110,106 @@ def test_error_points_at_the_offending_line(tmp_path):
         ConfigError, match=r"^x.yaml:7: models.m.prefill.instances.0.weight"
     ):
         parse_config(GOOD.replace("weight: 2", "weight: zero"), "x.yaml")
+
+
+def test_errors_in_a_list_item_or_at_the_top_point_at_their_line():
+    empty_item = GOOD.replace("        - url: http://10.0.0.2:8200\n", "        - {}\n")
+    with pytest.raises(
+        ConfigError, match=r"^x.yaml:10: models.m.decode.instances.0: .*url or dns"
+    ):
+        parse_config(empty_item, "x.yaml")
+    with pytest.raises(ConfigError, match=r"^x.yaml:1: models: required field"):
+        parse_config("retry: {}\n", "x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("ftp://10.0.0.2:8200", "must be an http:// or https:// URL with a host"),
+        ("http://10.0.0.2:8200?x=1", "must not carry a query or fragment"),
+        ("http://10.0.0.2:8200#f", "must not carry a query or fragment"),
+        ("http://me@10.0.0.2:8200", "must not carry credentials"),
+        ("http://:secret@10.0.0.2:8200", "must not carry credentials"),
+    ],
+)
+def test_a_backend_url_with_any_part_it_must_not_have_is_refused(url, why):
+    text = GOOD.replace("http://10.0.0.2:8200", url)
+    with pytest.raises(ConfigError, match=r"decode\.instances\.0\.url: ") as info:
+        parse_config(text, "x.yaml")
+    assert why in str(info.value)
+
+
+NAMESERVERS = """\
+models:
+  m:
+    prefill: {instances: [{dns: "p.kv:8100"}]}
+    decode: {instances: [{dns: "d.kv:8200"}]}
+discovery:
+  nameservers: [%s]
+"""
+
+
+@pytest.mark.parametrize(
+    "nameserver", ["[::1]", "[::1]:1", "10.0.0.1:1", "10.0.0.1:65535", "[::1]:65535"]
+)
+def test_a_nameserver_with_a_port_from_1_to_65535_or_none_is_taken(nameserver):
+    config = parse_config(NAMESERVERS % f'"{nameserver}"', "x.yaml")
+    assert config.discovery.nameservers == [nameserver]
+
+
+@pytest.mark.parametrize(
+    "nameserver",
+    [
+        "10.0.0.1:0",
+        "10.0.0.1:65536",
+        "[::1]:0",
+        "[::1]:65536",
+        "[::1]x",
+        "[::1",
+        "[::1]:",
+    ],
+)
+def test_a_nameserver_port_out_of_range_or_after_junk_is_refused(nameserver):
+    with pytest.raises(ConfigError, match=r"discovery\.nameservers: .*IP:PORT"):
+        parse_config(NAMESERVERS % f'"{nameserver}"', "x.yaml")
+
+
+def test_the_longest_backoff_may_equal_the_first():
+    equal = GOOD + "  backoff_base_s: 0.5\n  backoff_max_s: 0.5\n"
+    assert parse_config(equal).retry.backoff_max_s == 0.5
+    shorter = GOOD + "  backoff_base_s: 0.5\n  backoff_max_s: 0.4\n"
+    with pytest.raises(ConfigError, match="backoff_max_s must be >= "):
+        parse_config(shorter)
+
+
+def test_a_yaml_key_that_is_not_a_scalar_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"(?s)invalid YAML.*unhashable key"):
+        parse_config("? [a]\n: 1\n", "x.yaml")
+
+
+def test_secrets_come_from_a_variable_a_file_or_both(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# rotated 2026-12\n\n  k3  \nk4\n")
+    monkeypatch.setenv("KVG_KEYS", " k1, ,k2 ")
+    assert read_secret("KVG_KEYS", None, "auth") == ["k1", "k2"]
+    assert read_secret(None, str(keys), "auth") == ["k3", "k4"]
+    assert read_secret("KVG_KEYS", str(keys), "auth") == ["k1", "k2", "k3", "k4"]
+    assert read_secret(None, None, "auth") == []
+
+
+def test_a_secret_source_that_gives_no_key_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVG_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=r"^auth: environment variable KVG_UNSET"):
+        read_secret("KVG_UNSET", None, "auth")
+    monkeypatch.setenv("KVG_EMPTY", " , ")
+    with pytest.raises(ConfigError, match=r"^auth: no key found in KVG_EMPTY$"):
+        read_secret("KVG_EMPTY", None, "auth")
+    comments = tmp_path / "keys"
+    comments.write_text("# none yet\n\n")
+    with pytest.raises(
+        ConfigError, match=f"^auth: no key found in {re.escape(str(comments))}$"
+    ):
+        read_secret(None, str(comments), "auth")
 
 
 def test_duplicate_instances_are_rejected():

@@ -232,7 +232,10 @@ def odd_dns(draw: st.DrawFn) -> str:
 nameservers = st.builds(
     lambda host, port: host if port is None else f"{host}:{port}",
     st.sampled_from(
-        ["10.96.0.10", "[::1]", "::1", "[fe80::1%eth0]", "fe80::1%eth0", "host", ""]
+        [
+            *("10.96.0.10", "[10.96.0.10]", "[::1]", "[::1", "::1"),
+            *("[fe80::1%eth0]", "fe80::1%eth0", "host", ""),
+        ]
     )
     | st.ip_addresses().map(str),
     ports,
