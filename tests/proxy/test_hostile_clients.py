@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import msgspec
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
@@ -21,6 +22,7 @@ from proxy_helpers import (
     read_sse,
 )
 
+from proxy.server import ProxyRunner, json_errors
 from proxy.testing import running_proxy
 from tests.support.requests import request_bodies
 
@@ -172,6 +174,49 @@ async def test_every_error_the_proxy_writes_is_openai_json(
     got, headers, body = parse_reply(raw)
     assert got == status, (name, raw[:300])
     assert_openai_error(status, headers, body)
+
+
+async def test_a_handlers_own_failure_is_openai_json_and_a_redirect_passes():
+    # The proxy's handlers answer their errors themselves; these are what is
+    # left, as aiohttp's server would answer them in plain text.
+    async def crash(request: web.Request) -> web.StreamResponse:
+        raise RuntimeError("a bug")
+
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPBadRequest(reason="Not This")
+
+    async def redirect(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound("/elsewhere")
+
+    app = web.Application(middlewares=[json_errors])
+    app.router.add_get("/crash", crash)
+    app.router.add_get("/refuse", refuse)
+    app.router.add_get("/redirect", redirect)
+    runner = ProxyRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        replies = {
+            path: parse_reply(
+                await raw_exchange(
+                    url,
+                    b"GET /%s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path,
+                )
+            )
+            for path in (b"crash", b"refuse", b"redirect")
+        }
+    finally:
+        await runner.cleanup()
+    status, headers, body = replies[b"crash"]
+    assert status == 500
+    assert assert_openai_error(500, headers, body)["message"] == "Internal Server Error"
+    status, headers, body = replies[b"refuse"]
+    assert status == 400
+    assert assert_openai_error(400, headers, body)["message"] == "Not This"
+    status, headers, _ = replies[b"redirect"]
+    assert (status, headers["Location"]) == (302, "/elsewhere")
 
 
 async def test_expect_100_continue_still_gets_its_interim_reply(stubs):
