@@ -256,6 +256,17 @@ async def test_models_is_the_union_of_the_backends(stubs):
     assert ids == {"m0", "m1", "configured"}
 
 
+async def test_models_keeps_a_backends_entry_and_never_lists_the_any_model(stubs):
+    entry = {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+    p, d = await stubs(served=[entry]), await stubs(served=[entry])
+    for model in ("m", "*"):
+        async with (
+            running_proxy(make_config([p.url], [d.url], model=model)) as px,
+            px.session.get(px.url + "/v1/models") as resp,
+        ):
+            assert (await resp.json())["data"] == [entry], model
+
+
 async def test_metrics_expose_the_documented_families(stubs):
     p, d = await stubs(), await stubs()
     async with running_proxy(make_config([p.url], [d.url])) as px:
