@@ -166,3 +166,16 @@ def test_a_fault_count_that_is_no_whole_number_is_a_value_error(count: Any) -> N
     # NaN passed ``count < 0`` and injected the fault without end.
     with pytest.raises(ValueError, match="fault count must be a whole number"):
         FaultConfig(count=count)
+
+
+def test_a_fault_takes_the_ends_of_its_ranges() -> None:
+    assert FaultConfig(rate=0.0, count=0, delay_s=0.0).delay_s == 0.0
+    assert FaultConfig(rate=1.0).rate == 1.0
+    with pytest.raises(ValueError, match="fault delay must be >= 0"):
+        FaultConfig(delay_s=-0.001)
+
+
+def test_the_kv_pool_holds_max_model_len_besides_the_null_block() -> None:
+    assert EngineConfig(num_blocks=9, block_size=16, max_model_len=128).num_blocks == 9
+    with pytest.raises(ValueError, match="9 blocks of 16 tokens cannot hold"):
+        EngineConfig(num_blocks=9, block_size=16, max_model_len=129)

@@ -255,6 +255,29 @@ def test_shift_moves_kv_down_one_block_or_a_lone_blocks_tokens_down_one(
     assert not corrupted[end - unit : end].any()
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "block_size", "last", "kept"),
+    # The last block the consumer uses (the prompt's last token is recomputed)
+    # keeps the first half of the tokens it holds.
+    [(40, 16, 2, 35), (33, 16, 1, 24), (20, 16, 1, 17), (3, 16, 0, 1), (2, 1, 0, 0)],
+)
+def test_truncate_zeroes_the_last_used_block_after_half_its_tokens(
+    num_tokens: int, block_size: int, last: int, kept: int
+) -> None:
+    slots = -(-num_tokens // block_size) * block_size
+    kv = torch.zeros((slots, 1, 1, 2, 2))
+    kv[:num_tokens] = torch.arange(1.0, num_tokens + 1).reshape(-1, 1, 1, 1, 1)
+    corrupted = kv.clone()
+    report = FaultInjector.corrupt(
+        Fault(FaultKind.TRUNCATE), corrupted, num_tokens, block_size, torch.zeros
+    )
+    start, end = last * block_size, (last + 1) * block_size
+    assert torch.equal(corrupted[:kept], kv[:kept])
+    assert not corrupted[kept:end].any()
+    assert torch.equal(corrupted[end:], kv[end:])
+    assert report == f"truncated block {last} after {kept - start} tokens"
+
+
 def test_fault_injector_honours_side_rate_and_count() -> None:
     injector = FaultInjector(FaultConfig(FaultKind.ZERO, FaultSide.CONSUMER, count=2))
     assert injector.draw(FaultSide.PRODUCER).kind is FaultKind.NONE
