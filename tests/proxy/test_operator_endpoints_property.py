@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
@@ -498,10 +499,15 @@ def _check_metrics(served: Served, expected: Expected) -> None:
     }
     state = served.state
     instances = {(i.model, i.role, i.url): i for i in state.all_instances()}
-    for gauge, attr in (
-        ("kvguard_proxy_instance_healthy", "healthy"),
-        ("kvguard_proxy_instance_ejected", "ejected"),
-        ("kvguard_proxy_instance_drained", "drained"),
+    for gauge, value in (
+        ("kvguard_proxy_instance_healthy", attrgetter("healthy")),
+        ("kvguard_proxy_instance_ejected", attrgetter("ejected")),
+        ("kvguard_proxy_instance_drained", attrgetter("drained")),
+        # Takes new requests: healthy, in service, neither drained nor ejected.
+        (
+            "kvguard_proxy_instance_up",
+            lambda i: i.healthy and not (i.drained or i.ejected or i.removed),
+        ),
     ):
         series = {
             (s.labels["model"], s.labels["role"], s.labels["instance"]): s.value
@@ -509,9 +515,7 @@ def _check_metrics(served: Served, expected: Expected) -> None:
         }
         assert len(series) == len(families[gauge].samples)
         # Label values round-trip: model names and URLs exactly as the pools have them.
-        assert series == {
-            key: float(getattr(inst, attr)) for key, inst in instances.items()
-        }
+        assert series == {key: float(value(inst)) for key, inst in instances.items()}
     integrity = {
         (s.labels["prefill"], s.labels["decode"]): s.value
         for s in families["kvguard_proxy_kv_integrity_failures"].samples
