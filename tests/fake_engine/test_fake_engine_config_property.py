@@ -179,3 +179,19 @@ def test_the_kv_pool_holds_max_model_len_besides_the_null_block() -> None:
     assert EngineConfig(num_blocks=9, block_size=16, max_model_len=128).num_blocks == 9
     with pytest.raises(ValueError, match="9 blocks of 16 tokens cannot hold"):
         EngineConfig(num_blocks=9, block_size=16, max_model_len=129)
+
+
+def test_the_highest_port_and_thread_count_are_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    served: list[int] = []
+    threads: list[int] = []
+
+    async def serve(config: EngineConfig, host: str, port: int, *_: Any) -> None:
+        served.append(port)
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    top = f"--torch-threads={cli.MAX_TORCH_THREADS}"
+    assert cli.main(["--port=65535", top]) == 0
+    assert (served, threads) == ([65535], [cli.MAX_TORCH_THREADS])
