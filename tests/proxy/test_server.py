@@ -360,6 +360,22 @@ async def test_admin_drain_add_remove_steer_new_requests(stubs, monkeypatch):
         assert status == 400
 
 
+async def test_an_admin_call_takes_its_query_only_without_a_body(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    config = make_config([p1.url, p2.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with running_proxy(config) as px:
+        path = "/admin/instances/drain"
+        status, _ = await admin(px, "POST", path, params={"url": p1.url})
+        assert status == 200
+        status, _ = await admin(
+            px, "POST", path, params={"url": p1.url}, json={"url": p2.url}
+        )
+        assert status == 200
+        drained = {i.url for i in px.state.all_instances() if i.drained}
+    assert drained == {p1.url, p2.url}
+
+
 async def test_reload_adds_and_removes_instances_under_load_without_failures(
     stubs, tmp_path
 ):
