@@ -153,9 +153,8 @@ async def test_status_page_needs_the_admin_key_when_one_is_configured(monkeypatc
         assert status == 401 and "admin key" in body
         basic = base64.b64encode(b"anyone:s3cret").decode()
         wrong = base64.b64encode(b"anyone:nope").decode()
-        assert (await get_text(url, headers={"Authorization": f"Basic {wrong}"}))[
-            0
-        ] == 401
+        for refused in (f"Basic {wrong}", "Basic !not-base64!", "Basic"):
+            assert (await get_text(url, headers={"Authorization": refused}))[0] == 401
         for auth in ("Bearer s3cret", f"Basic {basic}"):
             status, body = await get_text(
                 url + "?refresh=0", headers={"Authorization": auth}
@@ -180,3 +179,36 @@ async def test_status_page_is_open_without_an_admin_key():
     assert status == 200
     assert '<meta http-equiv="refresh" content="5">' in body
     assert "No KV integrity failure yet." in body
+
+
+async def test_status_page_says_why_an_instance_is_out_and_whether_the_proxy_serves():
+    config = {
+        "models": {
+            "m": {
+                "prefill": {
+                    "instances": [{"url": "http://p1:8100"}, {"url": "http://p2:8100"}]
+                },
+                "decode": {"instances": [{"url": "http://d:8200"}]},
+            }
+        },
+        "health": {"enabled": False},
+    }
+    async with running_proxy(config) as proxy:
+        p1, p2, d = proxy.state.all_instances()
+        status, body = await get_text(proxy.url + "/status")
+        assert status == 200 and '<span class="badge ok">serving</span>' in body
+        # Ejected for 30 s with no failure counted here (another proxy's
+        # verdict, or counts since reset): the page says so and flags its row.
+        p1.ejected_until = time.monotonic() + 30.5
+        d.healthy = False
+        status, body = await get_text(proxy.url + "/status")
+    page = _Rows()
+    page.feed(body)
+    states = {a["data-url"]: a["data-state"] for tag, a in page.tagged if tag == "tr"}
+    assert states == {p1.url: "ejected", p2.url: "in-rotation", d.url: "unhealthy"}
+    assert re.search(r"ejected \((30|29)s left\)", body)
+    headers = {
+        a["data-prefill"]: a["class"] for _, a in page.tagged if "data-prefill" in a
+    }
+    assert headers == {p1.url: "bad", p2.url: ""}
+    assert '<span class="badge bad">model m: no healthy decode instance</span>' in body
