@@ -376,6 +376,54 @@ async def test_an_admin_call_takes_its_query_only_without_a_body(stubs, monkeypa
     assert drained == {p1.url, p2.url}
 
 
+async def test_an_instance_added_with_weight_zero_is_refused(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    p1, p2, d = await stubs(), await stubs(), await stubs()
+    config = make_config([p1.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with running_proxy(config) as px:
+        spec = {"role": "prefill", "url": p2.url, "weight": 0}
+        status, body = await admin(px, "POST", "/admin/instances", json=spec)
+        assert status == 400 and "weight must be > 0" in body["error"]["message"]
+        assert p2.url not in {i.url for i in px.state.all_instances()}
+
+
+async def test_a_reload_without_a_file_changes_nothing(stubs, monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    p, d = await stubs(), await stubs()
+    config = make_config([p.url], [d.url], auth={"admin_key_env": "ADM"})
+    async with running_proxy(config) as px:
+        assert await px.state.reload() is False
+        status, body = await admin(px, "POST", "/admin/reload")
+        assert status == 409 and "without --config" in body["error"]["message"]
+
+
+async def test_a_reload_keeps_the_listening_address_and_says_so(
+    stubs, tmp_path, caplog
+):
+    p, d = await stubs(), await stubs()
+    path = tmp_path / "proxy.yaml"
+    models = f"models:\n  m: {{prefill: {{instances: [{{url: '{p.url}'}}]}}, "
+    models += f"decode: {{instances: [{{url: '{d.url}'}}]}}}}\n"
+    path.write_text(models)
+    async with running_proxy(load_config(path), source=str(path)) as px:
+        server = px.state.config.server
+        assert await px.state.reload()
+        assert "need a restart" not in caplog.text
+        path.write_text(models + f"server: {{port: {server.port + 1}}}\n")
+        assert await px.state.reload()
+        assert px.state.config.server == server
+    assert "server.host/port changes need a restart; ignored on reload" in caplog.text
+
+
+async def test_a_stopped_proxy_has_closed_its_backend_connections(stubs):
+    p, d = await stubs(), await stubs()
+    async with running_proxy(make_config([p.url], [d.url])) as px:
+        assert (await px.post("/v1/completions", COMPLETION)).status == 200
+        session = px.state.session
+        assert not session.closed
+    assert session.closed
+
+
 async def test_reload_adds_and_removes_instances_under_load_without_failures(
     stubs, tmp_path
 ):
