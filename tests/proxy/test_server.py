@@ -424,6 +424,21 @@ async def test_a_stopped_proxy_has_closed_its_backend_connections(stubs):
     assert session.closed
 
 
+async def test_an_instance_failing_its_first_probe_is_named_and_stop_ends_the_loops(
+    stubs, caplog
+):
+    p, d = await stubs(), await stubs("unhealthy")
+    config = make_config([p.url], [d.url], health={"interval_s": 0.02})
+    async with running_proxy(config) as px:
+        # The first probes run before the proxy listens.
+        assert not px.state.pools_for(None).decode.instances[0].healthy
+    assert f"decode {d.url} failed its first health probe" in caplog.text
+    assert f"prefill {p.url} failed" not in caplog.text
+    loops = {"Health.run", "Discovery.run"}
+    left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ in loops]
+    assert not [t for t in left if not t.done()]
+
+
 async def test_reload_adds_and_removes_instances_under_load_without_failures(
     stubs, tmp_path
 ):
