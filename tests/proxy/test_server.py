@@ -360,6 +360,28 @@ async def test_admin_drain_add_remove_steer_new_requests(stubs, monkeypatch):
         assert status == 400
 
 
+async def test_an_admin_call_naming_a_model_touches_that_models_instance_only(
+    stubs, monkeypatch
+):
+    monkeypatch.setenv("ADM", "adm")
+    p, d = await stubs(), await stubs()
+    pools = {
+        "prefill": {"instances": [{"url": p.url}]},
+        "decode": {"instances": [{"url": d.url}]},
+    }
+    config = {
+        "models": {"a": pools, "b": pools},
+        "health": {"interval_s": 30},
+        "auth": {"admin_key_env": "ADM"},
+    }
+    async with running_proxy(config) as px:
+        body = {"url": p.url, "role": "prefill", "model": "a"}
+        status, _ = await admin(px, "POST", "/admin/instances/drain", json=body)
+        assert status == 200
+        drained = {(i.model, i.url) for i in px.state.all_instances() if i.drained}
+    assert drained == {("a", p.url)}
+
+
 async def test_an_admin_call_takes_its_query_only_without_a_body(stubs, monkeypatch):
     monkeypatch.setenv("ADM", "adm")
     p1, p2, d = await stubs(), await stubs(), await stubs()
