@@ -611,14 +611,29 @@ def test_nesting_yaml_composes_is_validated_without_overflowing_the_stack() -> N
 
 @pytest.mark.parametrize(
     "nameserver",
-    # int() and ip_address() took them; c-ares refused them (AresError,
-    # UnicodeEncodeError) when discovery made its resolver.
-    ["1.2.3.4: 53", "1.2.3.4:5_3", "1.2.3.4:\u0665\u0663", "[fe80::1%eth0]:53"],
+    [
+        # int() and ip_address() took them; c-ares refused them (AresError,
+        # UnicodeEncodeError) when discovery made its resolver.
+        *("1.2.3.4: 53", "1.2.3.4:5_3", "1.2.3.4:\u0665\u0663", "[fe80::1%eth0]:53"),
+        # c-ares: "Misformatted string".
+        "[::1",
+        *("10.0.0.1:0", "10.0.0.1:65536", "[::1]:0", "[::1]:65536", "[::1]x", "[::1]:"),
+    ],
 )
 def test_a_nameserver_c_ares_cannot_use_is_a_config_error(nameserver: str) -> None:
     text = MODELS + f"discovery:\n  nameservers: [{nameserver!r}]\n"
     with pytest.raises(ConfigError, match=r"discovery\.nameservers: .*IP:PORT"):
         parse_config(text, "x.yaml")
+
+
+@pytest.mark.parametrize(
+    "nameserver", ["[::1]", "[::1]:1", "10.0.0.1:1", "10.0.0.1:65535", "[::1]:65535"]
+)
+def test_a_nameserver_with_a_port_from_1_to_65535_or_none_is_taken(
+    nameserver: str,
+) -> None:
+    text = MODELS + f"discovery:\n  nameservers: [{nameserver!r}]\n"
+    assert parse_config(text, "x.yaml").discovery.nameservers == [nameserver]
 
 
 def test_a_nul_in_server_host_or_a_key_file_is_a_config_error(tmp_path: Path) -> None:
