@@ -122,7 +122,8 @@ class _Scheduled:
     digest_slots: torch.Tensor
     prefix_hashes: list[int]
     samples: bool
-    allow_eos: bool
+    # Tokens the sampler masks (vLLM's min-tokens processor).
+    masked: frozenset[int]
 
 
 @dataclass
@@ -458,8 +459,9 @@ class Engine:
             digest_slots=self.kv.slots(request.request_id, request.num_digested, end),
             prefix_hashes=request.prefix_hashes[start:end],
             samples=end == request.num_tokens,
-            allow_eos=not request.sampling.ignore_eos
-            and len(request.output_token_ids) >= request.sampling.min_tokens,
+            masked=request.sampling.all_stop_token_ids
+            if len(request.output_token_ids) < request.sampling.min_tokens
+            else frozenset(),
         )
 
     def _preempt(self, request: EngineRequest) -> None:
@@ -524,17 +526,20 @@ class Engine:
             request.num_digested = item.end
             if item.samples:
                 digest = request.digest ^ request.seed
-                token = self.model.next_token(
-                    digest, item.end, allow_eos=item.allow_eos
-                )
+                token = self.model.next_token(digest, item.end, masked=item.masked)
                 logprobs = self._sample_logprobs(
-                    request.sampling, digest, item.end, allow_eos=item.allow_eos
+                    request.sampling, digest, item.end, masked=item.masked
                 )
                 sampled[request.request_id] = token, logprobs
         return sampled
 
     def _sample_logprobs(
-        self, sampling: SamplingOptions, digest: int, position: int, *, allow_eos: bool
+        self,
+        sampling: SamplingOptions,
+        digest: int,
+        position: int,
+        *,
+        masked: frozenset[int],
     ) -> list[TokenLogprob] | None:
         """The logprobs a sampled token comes with, as its request asks:
         those of ``logprob_token_ids`` where set (vLLM's sampler prefers
@@ -543,13 +548,13 @@ class Engine:
             return self.model.requested_logprobs(
                 digest,
                 position,
-                allow_eos=allow_eos,
                 token_ids=sampling.logprob_token_ids,
+                masked=masked,
             )
         if sampling.logprobs is None:
             return None
         return self.model.logprobs(
-            digest, position, allow_eos=allow_eos, count=sampling.logprobs
+            digest, position, count=sampling.logprobs, masked=masked
         )
 
     def _update(self, step: _Step, result: _StepResult) -> None:

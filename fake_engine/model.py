@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import torch
 
 from engine_patch.hashing import MASK64, hash64, mix, splitmix64
 from fake_engine.config import EngineConfig
-from fake_engine.tokenizer import EOS_TOKEN_ID
+from fake_engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 # What generated tokens are made of: one ASCII byte each, so streamed text
 # never splits a character.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz" + b" " * 6 + b".,"
-# One next token in this many is EOS (where EOS may end the sequence).
+# One position in this many has EOS for its likeliest token: sampled there,
+# it ends the sequence unless ignored (``ignore_eos``), and under
+# ``min_tokens`` the sampler masks it.
 _EOS_ODDS = 128
 # Differences between copies of a replicated head enter the digest with this
 # odd factor: copies that agree add nothing, so a TP size that replicates
@@ -37,8 +40,9 @@ _KV_CHUNK_TOKENS = 256
 # Log probabilities: the token a position's value picks has probability in
 # [0.5, 0.95); the rest of the mass halves from one other token to the next.
 _DISTINCT_TOKENS = len(set(_ALPHABET))
-# How many of a position's likeliest tokens a prompt token is looked for
-# among; one further down gets a rank past them.
+# How many of a position's likeliest tokens a prompt token, a requested one
+# or a sampled one is looked for among; one further down gets a rank past
+# them (``_scored``).
 _PROMPT_RANKS = 21
 
 _C_PREFIX = 0xD6E8FEB86659FD93
@@ -55,9 +59,9 @@ class TokenLogprob(NamedTuple):
     rank: int
 
 
-def _pick(value: int, *, allow_eos: bool) -> int:
-    """The token a position whose value is ``value`` picks."""
-    if allow_eos and value % _EOS_ODDS == 0:
+def _pick(value: int) -> int:
+    """The likeliest token of the position whose value is ``value``."""
+    if value % _EOS_ODDS == 0:
         return EOS_TOKEN_ID
     return _ALPHABET[(value >> 8) % len(_ALPHABET)]
 
@@ -78,6 +82,25 @@ def _likeliest(value: int, first: int, count: int) -> list[TokenLogprob]:
             rest /= 2
             out.append(TokenLogprob(token, math.log(rest), len(out) + 1))
     return out
+
+
+def _unmasked(value: int, masked: AbstractSet[int]) -> TokenLogprob:
+    """The likeliest token of the position whose value is ``value`` that is
+    not in ``masked``, with its unmasked log probability and rank: what
+    greedy sampling takes where vLLM's min-tokens processor masks stop
+    tokens, and the logprob vLLM reports for it (raw, before the mask)."""
+    likeliest = _likeliest(value, _pick(value), _PROMPT_RANKS)
+    for entry in likeliest:
+        if entry.token_id not in masked:
+            return entry
+    rest = [
+        _scored(value, token, likeliest)
+        for token in range(VOCAB_SIZE)
+        if token not in masked
+    ]
+    # Ties go to the lowest id, as argmax; with every token masked, argmax
+    # over -inf logits takes token 0.
+    return min(rest, key=lambda e: e.rank, default=_scored(value, 0, likeliest))
 
 
 def _scored(value: int, token: int, likeliest: list[TokenLogprob]) -> TokenLogprob:
@@ -219,36 +242,57 @@ class FakeModel:
         sums.index_add_(0, sequences, weighted)
         return [value & MASK64 for value in sums.tolist()]
 
-    def next_token(self, digest: int, position: int, *, allow_eos: bool) -> int:
-        """The token at ``position``, from the digest of the KV before it."""
-        return _pick(mix(digest ^ splitmix64(position)), allow_eos=allow_eos)
+    def next_token(
+        self, digest: int, position: int, *, masked: AbstractSet[int] = frozenset()
+    ) -> int:
+        """The token at ``position``, from the digest of the KV before it:
+        the likeliest there, or the likeliest not in ``masked``."""
+        value = mix(digest ^ splitmix64(position))
+        token = _pick(value)
+        if token in masked:
+            return _unmasked(value, masked).token_id
+        return token
 
     def logprobs(
-        self, digest: int, position: int, *, allow_eos: bool, count: int
+        self,
+        digest: int,
+        position: int,
+        *,
+        count: int,
+        masked: AbstractSet[int] = frozenset(),
     ) -> list[TokenLogprob]:
-        """The token :meth:`next_token` picks and the next likeliest, ``count``
-        in all (at least 1), best first: what vLLM returns for a sampled
-        token when ``count`` top logprobs are asked (the pick is rank 1)."""
+        """The token :meth:`next_token` picks, then the ``count`` likeliest
+        (the pick listed once): what vLLM returns for a sampled token when
+        ``count`` top logprobs are asked. They are raw, vLLM's default, taken
+        before any mask: a masked token may still rank first."""
         value = mix(digest ^ splitmix64(position))
-        return _likeliest(value, _pick(value, allow_eos=allow_eos), max(1, count))
+        likeliest = _likeliest(value, _pick(value), max(1, count))
+        if likeliest[0].token_id not in masked:
+            return likeliest
+        sampled = _unmasked(value, masked)
+        top = {e.token_id: e for e in likeliest[:count]}
+        return list({sampled.token_id: sampled, **top}.values())
 
     def requested_logprobs(
         self,
         digest: int,
         position: int,
         *,
-        allow_eos: bool,
         token_ids: Iterable[int],
+        masked: AbstractSet[int] = frozenset(),
     ) -> list[TokenLogprob]:
-        """The token :meth:`next_token` picks (rank 1), then each of
-        ``token_ids`` with its log probability there: what vLLM returns for a
-        sampled token when ``logprob_token_ids`` are asked. As vLLM's
+        """The token :meth:`next_token` picks (with its rank), then each of
+        ``token_ids`` with its log probability there: what vLLM returns for
+        a sampled token when ``logprob_token_ids`` are asked. As vLLM's
         ``append_logprobs_for_next_position`` ranks them, each requested
         token's rank is its place in ``token_ids``, and a token listed twice
         (or the pick listed again) keeps its first place and its last rank."""
         value = mix(digest ^ splitmix64(position))
-        likeliest = _likeliest(value, _pick(value, allow_eos=allow_eos), _PROMPT_RANKS)
-        entries = {likeliest[0].token_id: likeliest[0]}
+        likeliest = _likeliest(value, _pick(value), _PROMPT_RANKS)
+        sampled = likeliest[0]
+        if sampled.token_id in masked:
+            sampled = _unmasked(value, masked)
+        entries = {sampled.token_id: sampled}
         for rank, token in enumerate(token_ids, start=1):
             entries[token] = _scored(value, token, likeliest)._replace(rank=rank)
         return list(entries.values())
@@ -265,7 +309,7 @@ class FakeModel:
         out: list[list[TokenLogprob] | None] = [None] if token_ids else []
         for position in range(1, len(token_ids)):
             value = mix(hashes[position - 1] ^ splitmix64(position))
-            likeliest = _likeliest(value, _pick(value, allow_eos=False), _PROMPT_RANKS)
+            likeliest = _likeliest(value, _pick(value), _PROMPT_RANKS)
             token = token_ids[position]
             entry = _scored(value, token, likeliest)
             out.append([entry, *(e for e in likeliest[:count] if e.token_id != token)])

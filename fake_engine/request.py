@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,13 @@ class SamplingOptions:
     # Tokens whose logprobs to return with each generated token instead of
     # the top ones (vLLM's ``logprob_token_ids``); None: none asked.
     logprob_token_ids: tuple[int, ...] | None = None
+
+    @functools.cached_property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """What the sampler masks until ``min_tokens`` are generated, as
+        vLLM's min-tokens processor: the stop token ids and EOS (ignored or
+        not)."""
+        return frozenset((*self.stop_token_ids, EOS_TOKEN_ID))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from fake_engine.testing import EngineSpec, fake_engines
+from fake_engine.tokenizer import EOS_TOKEN_ID
 from tests.support.requests import request_bodies
 
 
@@ -206,8 +207,10 @@ async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
     session: aiohttp.ClientSession, url: str
 ) -> None:
     # As vLLM: the stop conditions of the k-th output token are checked only
-    # once k > min_tokens (a stop string's text at k is then passed over).
-    body = completion_body(max_tokens=40, return_token_ids=True)
+    # once k > min_tokens (a stop string's text at k is then passed over),
+    # and until then the sampler masks stop tokens (their logprobs are
+    # taken before the mask).
+    body = completion_body(max_tokens=40, return_token_ids=True, logprobs=1)
     _, free = await post(session, url + COMPLETIONS, body)
     ids = free["choices"][0]["token_ids"]
     text = text_of(free)
@@ -226,10 +229,17 @@ async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
         assert ended["usage"]["completion_tokens"] == k
         assert held["usage"]["completion_tokens"] > k
         if "stop" in stop:
-            # A stop string passed over is not found later. (vLLM's sampler
-            # masks stop tokens until min_tokens: their output is not compared.)
+            # A stop string passed over is not found later.
             finish = held["choices"][0]["finish_reason"]
             assert (text_of(held), finish) == (text, "length")
+        else:
+            # The masked stop token gives way to another, still ranked first.
+            held_ids = held["choices"][0]["token_ids"]
+            assert held_ids[: k - 1] == ids[: k - 1]
+            assert held_ids[k - 1] != ids[k - 1]
+            logprobs = held["choices"][0]["logprobs"]
+            top = logprobs["top_logprobs"][k - 1]
+            assert top[text[k - 1]] > logprobs["token_logprobs"][k - 1]
 
 
 async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
@@ -249,12 +259,25 @@ async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
         if choice["finish_reason"] == "stop":
             break
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
-    ended = len(choice["token_ids"])
+    ids = choice["token_ids"]
+    ended = len(ids)
+    assert ids[-1] == EOS_TOKEN_ID
+    # As vLLM: an ignored EOS is generated and its text skipped.
     _, ignored = await post(session, url + COMPLETIONS, {**body, "ignore_eos": True})
     assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["choices"][0]["token_ids"][:ended] == ids
     assert len(ignored["choices"][0]["token_ids"]) == 200
-    _, held = await post(session, url + COMPLETIONS, {**body, "min_tokens": ended + 5})
-    assert len(held["choices"][0]["token_ids"]) >= ended + 5
+    assert text_of(ignored).startswith(text_of(answer))
+    # Until min_tokens the sampler masks EOS, ignored or not.
+    for ignore_eos in (False, True):
+        _, held = await post(
+            session,
+            url + COMPLETIONS,
+            {**body, "min_tokens": ended + 5, "ignore_eos": ignore_eos},
+        )
+        held_ids = held["choices"][0]["token_ids"]
+        assert held_ids[: ended - 1] == ids[:-1]
+        assert EOS_TOKEN_ID not in held_ids[: ended + 5]
 
 
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(

@@ -1,8 +1,8 @@
 """Logprobs as vLLM returns them: of each generated token (the model's pick,
-rank 1) with the next likeliest, of an echoed prompt's tokens, and
-``prompt_logprobs``, and of the tokens ``logprob_token_ids`` name;
-streamed or whole alike, and the same through a P/D pair as from one
-engine."""
+rank 1, unless ``min_tokens`` masks it) with the next likeliest, of an
+echoed prompt's tokens, and ``prompt_logprobs``, and of the tokens
+``logprob_token_ids`` name; streamed or whole alike, and the same through a
+P/D pair as from one engine."""
 
 from __future__ import annotations
 
@@ -27,18 +27,61 @@ from fake_engine_helpers import (
 from fake_engine.config import EngineConfig, Role
 from fake_engine.model import FakeModel
 from fake_engine.testing import EngineSpec, fake_engines
-from fake_engine.tokenizer import EOS_TOKEN_ID, decode, encode
+from fake_engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, decode, encode
 
 
 def test_the_models_pick_is_its_likeliest_token_in_a_distribution() -> None:
     model = FakeModel(EngineConfig())
     for digest in range(50):
-        likeliest = model.logprobs(digest, 9, allow_eos=True, count=20)
-        assert likeliest[0].token_id == model.next_token(digest, 9, allow_eos=True)
+        likeliest = model.logprobs(digest, 9, count=20)
+        assert likeliest[0].token_id == model.next_token(digest, 9)
         assert [e.rank for e in likeliest] == list(range(1, 21))
         assert len({e.token_id for e in likeliest}) == 20
         assert all(a.logprob > b.logprob for a, b in itertools.pairwise(likeliest))
         assert sum(math.exp(e.logprob) for e in likeliest) < 1
+
+
+def test_a_masked_pick_gives_way_to_the_likeliest_token_left() -> None:
+    # As vLLM's min-tokens processor: masked tokens' logits go to -inf after
+    # the raw logprobs are taken, so greedy sampling takes the likeliest
+    # token left and the logprobs still rank the masked ones first.
+    model = FakeModel(EngineConfig())
+    for digest in range(50):
+        first, second, third = model.logprobs(digest, 9, count=3)
+        masked = frozenset({first.token_id, second.token_id})
+        assert model.next_token(digest, 9, masked=masked) == third.token_id
+        assert model.logprobs(digest, 9, count=0, masked=masked) == [third]
+        assert model.logprobs(digest, 9, count=2, masked=masked) == [
+            third,
+            first,
+            second,
+        ]
+        assert model.logprobs(digest, 9, count=3, masked=masked) == [
+            third,
+            first,
+            second,
+        ]
+        requested = model.requested_logprobs(
+            digest, 9, token_ids=[first.token_id], masked=masked
+        )
+        assert requested == [third, first]
+
+
+def test_with_every_ranked_token_masked_the_likeliest_of_the_rest_is_taken() -> None:
+    model = FakeModel(EngineConfig())
+    for digest in range(20):
+        masked = frozenset(e.token_id for e in model.logprobs(digest, 9, count=21))
+        token = model.next_token(digest, 9, masked=masked)
+        (sampled,) = model.logprobs(digest, 9, count=0, masked=masked)
+        assert sampled.token_id == token and token not in masked
+        assert sampled.rank > 21
+        rest = model.requested_logprobs(
+            digest, 9, token_ids=[t for t in range(VOCAB_SIZE) if t not in masked]
+        )
+        assert sampled.logprob == max(e.logprob for e in rest[1:])
+        # Every token masked: argmax over -inf logits takes token 0.
+        everything = frozenset(range(VOCAB_SIZE))
+        assert model.next_token(digest, 9, masked=everything) == 0
 
 
 def test_prompt_logprobs_rank_each_prompt_token_then_the_likeliest() -> None:
@@ -258,11 +301,9 @@ def _text(token_id: int) -> str:
 def test_requested_logprobs_follow_the_pick_in_the_order_asked() -> None:
     model = FakeModel(EngineConfig())
     for digest in range(50):
-        pick = model.logprobs(digest, 9, allow_eos=True, count=1)[0]
-        top = {
-            e.token_id: e for e in model.logprobs(digest, 9, allow_eos=True, count=20)
-        }
-        got = model.requested_logprobs(digest, 9, allow_eos=True, token_ids=REQUESTED)
+        pick = model.logprobs(digest, 9, count=1)[0]
+        top = {e.token_id: e for e in model.logprobs(digest, 9, count=20)}
+        got = model.requested_logprobs(digest, 9, token_ids=REQUESTED)
         assert got[0].token_id == pick.token_id and got[0].logprob == pick.logprob
         assert [e.token_id for e in got] == list(
             dict.fromkeys([pick.token_id, *REQUESTED])
