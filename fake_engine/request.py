@@ -178,13 +178,18 @@ class EngineRequest:
         previous_len = len(self._text)
         sampling = self.sampling
         num_output = len(self.output_token_ids)
+        stopped: tuple[FinishReason, int | None] | None = None
         if num_output > sampling.min_tokens:
             if token_id == EOS_TOKEN_ID and not sampling.ignore_eos:
-                return FinishReason.STOP, None
-            if token_id in sampling.stop_token_ids:
-                return FinishReason.STOP, token_id
-        if token_id != EOS_TOKEN_ID or not sampling.skip_special_tokens:
-            self._text += decode([token_id], skip_special_tokens=False)
+                stopped = FinishReason.STOP, None
+            elif token_id in sampling.stop_token_ids:
+                stopped = FinishReason.STOP, token_id
+        # As vLLM's detokenizer: a stop token's text only where asked.
+        if stopped is None or sampling.include_stop_str_in_output:
+            skip = sampling.skip_special_tokens
+            self._text += decode([token_id], skip_special_tokens=skip)
+        if stopped is not None:
+            return stopped
         if num_output > sampling.min_tokens:
             for stop in sampling.stop:
                 index = self._text.find(stop, max(0, previous_len - len(stop) + 1))

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from fake_engine.testing import EngineSpec, fake_engines
-from fake_engine.tokenizer import EOS_TOKEN_ID
+from fake_engine.tokenizer import EOS_TEXT, EOS_TOKEN_ID, decode
 from tests.support.requests import request_bodies
 
 
@@ -201,6 +201,14 @@ async def test_stop_token_id_ends_the_output_with_it(
     # The stop token is the last of the output, as vLLM counts it.
     assert choice["token_ids"] == ids[: first + 1]
     assert stopped["usage"]["completion_tokens"] == first + 1
+    # Its text only where asked, as vLLM's detokenizer.
+    assert text_of(stopped) == decode(ids[:first])
+    _, kept = await post(
+        session,
+        url + COMPLETIONS,
+        {**body, "stop_token_ids": [stop], "include_stop_str_in_output": True},
+    )
+    assert text_of(kept) == decode(ids[: first + 1])
 
 
 async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
@@ -262,6 +270,16 @@ async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
     ids = choice["token_ids"]
     ended = len(ids)
     assert ids[-1] == EOS_TOKEN_ID
+    # EOS's text only where asked, and not skipped as a special token.
+    special = {"skip_special_tokens": False}
+    _, bare = await post(session, url + COMPLETIONS, {**body, **special})
+    _, kept = await post(
+        session,
+        url + COMPLETIONS,
+        {**body, **special, "include_stop_str_in_output": True},
+    )
+    assert text_of(bare) == text_of(answer) == decode(ids)
+    assert text_of(kept) == text_of(answer) + EOS_TEXT
     # As vLLM: an ignored EOS is generated and its text skipped.
     _, ignored = await post(session, url + COMPLETIONS, {**body, "ignore_eos": True})
     assert ignored["choices"][0]["finish_reason"] == "length"
