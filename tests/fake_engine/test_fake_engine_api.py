@@ -248,6 +248,12 @@ async def test_stop_tokens_and_strings_end_the_output_only_past_min_tokens(
             logprobs = held["choices"][0]["logprobs"]
             top = logprobs["top_logprobs"][k - 1]
             assert top[text[k - 1]] > logprobs["token_logprobs"][k - 1]
+            # Asked by id, the masked token comes after the generated one.
+            asked = {**body, **stop, "min_tokens": k, "logprob_token_ids": [ids[k - 1]]}
+            _, requested = await post(session, url + COMPLETIONS, asked)
+            logprobs = requested["choices"][0]["logprobs"]
+            generated = logprobs["tokens"][k - 1]
+            assert list(logprobs["top_logprobs"][k - 1]) == [generated, text[k - 1]]
 
 
 async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
