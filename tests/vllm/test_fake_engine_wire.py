@@ -250,3 +250,66 @@ async def test_the_fake_engine_answers_in_vllms_shape(
     want = await answer(http, servers.engine("producer").url + path, body)
     got = await answer(http, fake + path, body)
     assert same_answers(got, want), (got, want)
+
+
+async def first_choice(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    async with http.post(url + COMPLETIONS, json=body) as response:
+        assert response.status == 200, await response.text()
+        choice: dict[str, Any] = (await response.json())["choices"][0]
+        return choice
+
+
+async def check_stop_token_rules(http: aiohttp.ClientSession, url: str) -> None:
+    """On the engine's own greedy output: a stop token id ends it where it
+    first comes, its text kept only with ``include_stop_str_in_output``;
+    until ``min_tokens`` the sampler masks it, and the logprobs, raw, still
+    rank it first."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 1,
+    }
+    free = await first_choice(http, url, body)
+    ids, texts = free["token_ids"], free["logprobs"]["tokens"]
+    # A token not generated before it, past the first, with text of its own.
+    k = next(
+        k
+        for k in range(2, len(ids) + 1)
+        if ids[k - 1] not in ids[: k - 1]
+        and texts[k - 1].isascii()
+        and texts[k - 1].strip()
+    )
+    stop = ids[k - 1]
+    stopped = await first_choice(http, url, {**body, "stop_token_ids": [stop]})
+    assert stopped["token_ids"] == ids[:k]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    kept = await first_choice(
+        http,
+        url,
+        {**body, "stop_token_ids": [stop], "include_stop_str_in_output": True},
+    )
+    assert kept["token_ids"] == ids[:k]
+    assert kept["text"] == stopped["text"] + texts[k - 1]
+    assert free["text"].startswith(kept["text"])
+    held = await first_choice(
+        http, url, {**body, "stop_token_ids": [stop], "min_tokens": k}
+    )
+    assert held["token_ids"][: k - 1] == ids[: k - 1]
+    assert stop not in held["token_ids"][:k]
+    logprobs = held["logprobs"]
+    top = logprobs["top_logprobs"][k - 1]
+    assert top[texts[k - 1]] > logprobs["token_logprobs"][k - 1]
+
+
+async def test_vllm_and_the_fake_engine_mask_stop_tokens_until_min_tokens(
+    http: aiohttp.ClientSession, servers: Servers, fake: str
+) -> None:
+    await servers.use({"producer": EngineSpec("producer")})
+    await check_stop_token_rules(http, servers.engine("producer").url)
+    await check_stop_token_rules(http, fake)
