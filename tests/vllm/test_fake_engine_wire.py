@@ -4,7 +4,10 @@ and the JSON type of each value; the models and so the texts differ).
 
 The proxy's tests run against fake engines; a field or an error vLLM sends
 and the fake engine does not would leave the proxy's handling of it
-untested (an echo's prompt token ids in a stream were one).
+untested (an echo's prompt token ids in a stream were one). The rules the
+fake engine copies from vLLM's sampler and detokenizer (stop tokens, EOS,
+``min_tokens``) are checked on vLLM itself, and on both where the fake
+engine can be made to meet them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ BEAMS = {"use_beam_search": True, "n": 2}
 # Tokens to score at each generated position (in both vocabularies), one
 # listed twice.
 TOKEN_IDS = {"logprob_token_ids": [100, 200, 100]}
+# The tiny model's EOS (scripts/make_tiny_model.py).
+TINY_EOS_TOKEN_ID = 1
 
 # Fields both routes take, the same way.
 SHARED: dict[str, dict[str, Any]] = {
@@ -313,3 +318,33 @@ async def test_vllm_and_the_fake_engine_mask_stop_tokens_until_min_tokens(
     await servers.use({"producer": EngineSpec("producer")})
     await check_stop_token_rules(http, servers.engine("producer").url)
     await check_stop_token_rules(http, fake)
+
+
+async def test_vllm_generates_an_ignored_eos_and_masks_eos_until_min_tokens(
+    http: aiohttp.ClientSession, servers: Servers
+) -> None:
+    # What the fake engine copies (it has no logit_bias to force EOS with):
+    # an ignored EOS is generated and the output goes on, and min_tokens
+    # masks EOS, ignored or not.
+    await servers.use({"producer": EngineSpec("producer")})
+    url = servers.engine("producer").url
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logit_bias": {str(TINY_EOS_TOKEN_ID): 100},
+    }
+    eos = [TINY_EOS_TOKEN_ID]
+    ignored = await first_choice(http, url, {**body, "ignore_eos": True})
+    assert (ignored["token_ids"], ignored["finish_reason"]) == (eos * 6, "length")
+    assert ignored["text"] == ""
+    shown = {**body, "ignore_eos": True, "skip_special_tokens": False}
+    assert (await first_choice(http, url, shown))["text"] == "</s>" * 6
+    held = await first_choice(http, url, {**body, "ignore_eos": True, "min_tokens": 3})
+    assert held["token_ids"][3:] == eos * 3
+    assert TINY_EOS_TOKEN_ID not in held["token_ids"][:3]
+    ended = await first_choice(http, url, {**body, "min_tokens": 3})
+    assert ended["token_ids"] == held["token_ids"][:4]
+    assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", None)
