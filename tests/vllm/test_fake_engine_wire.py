@@ -266,11 +266,11 @@ async def first_choice(
         return choice
 
 
-async def check_stop_token_rules(http: aiohttp.ClientSession, url: str) -> None:
+async def check_stop_rules(http: aiohttp.ClientSession, url: str) -> None:
     """On the engine's own greedy output: a stop token id ends it where it
     first comes, its text kept only with ``include_stop_str_in_output``;
     until ``min_tokens`` the sampler masks it, and the logprobs, raw, still
-    rank it first."""
+    rank it first; its text as a stop string ends the text."""
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
@@ -310,14 +310,23 @@ async def check_stop_token_rules(http: aiohttp.ClientSession, url: str) -> None:
     logprobs = held["logprobs"]
     top = logprobs["top_logprobs"][k - 1]
     assert top[texts[k - 1]] > logprobs["token_logprobs"][k - 1]
+    # That token's text as a stop string: the text ends before its first
+    # occurrence, or after it where asked.
+    string = texts[k - 1]
+    at = free["text"].index(string)
+    for keep in (False, True):
+        fields = {"stop": [string], "include_stop_str_in_output": keep}
+        cut = await first_choice(http, url, {**body, **fields})
+        assert cut["text"] == free["text"][: at + len(string) * keep]
+        assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", string)
 
 
-async def test_vllm_and_the_fake_engine_mask_stop_tokens_until_min_tokens(
+async def test_vllm_and_the_fake_engine_follow_the_same_stop_rules(
     http: aiohttp.ClientSession, servers: Servers, fake: str
 ) -> None:
     await servers.use({"producer": EngineSpec("producer")})
-    await check_stop_token_rules(http, servers.engine("producer").url)
-    await check_stop_token_rules(http, fake)
+    await check_stop_rules(http, servers.engine("producer").url)
+    await check_stop_rules(http, fake)
 
 
 async def test_vllm_generates_an_ignored_eos_and_masks_eos_until_min_tokens(
