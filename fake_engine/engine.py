@@ -48,7 +48,7 @@ from fake_engine.config import (
 from fake_engine.faults import Fault, FaultInjector
 from fake_engine.kv_cache import BlockPool, KVCacheManager, token_slots
 from fake_engine.metrics import EngineMetrics, EngineSnapshot
-from fake_engine.model import FakeModel, TokenLogprob
+from fake_engine.model import FakeModel, Processors, TokenLogprob
 from fake_engine.request import (
     FINISH_REASON_TEXT,
     EngineRequest,
@@ -122,8 +122,8 @@ class _Scheduled:
     digest_slots: torch.Tensor
     prefix_hashes: list[int]
     samples: bool
-    # Tokens the sampler masks (vLLM's min-tokens processor).
-    masked: frozenset[int]
+    # The logits processors its sampled token goes through.
+    processors: Processors
 
 
 @dataclass
@@ -459,9 +459,9 @@ class Engine:
             digest_slots=self.kv.slots(request.request_id, request.num_digested, end),
             prefix_hashes=request.prefix_hashes[start:end],
             samples=end == request.num_tokens,
-            masked=request.sampling.all_stop_token_ids
+            processors=request.sampling.min_tokens_processors
             if len(request.output_token_ids) < request.sampling.min_tokens
-            else frozenset(),
+            else request.sampling.processors,
         )
 
     def _preempt(self, request: EngineRequest) -> None:
@@ -526,9 +526,9 @@ class Engine:
             request.num_digested = item.end
             if item.samples:
                 digest = request.digest ^ request.seed
-                token = self.model.next_token(digest, item.end, masked=item.masked)
+                token = self.model.next_token(digest, item.end, item.processors)
                 logprobs = self._sample_logprobs(
-                    request.sampling, digest, item.end, masked=item.masked
+                    request.sampling, digest, item.end, item.processors
                 )
                 sampled[request.request_id] = token, logprobs
         return sampled
@@ -538,8 +538,7 @@ class Engine:
         sampling: SamplingOptions,
         digest: int,
         position: int,
-        *,
-        masked: frozenset[int],
+        processors: Processors,
     ) -> list[TokenLogprob] | None:
         """The logprobs a sampled token comes with, as its request asks:
         those of ``logprob_token_ids`` where set (vLLM's sampler prefers
@@ -549,12 +548,12 @@ class Engine:
                 digest,
                 position,
                 token_ids=sampling.logprob_token_ids,
-                masked=masked,
+                processors=processors,
             )
         if sampling.logprobs is None:
             return None
         return self.model.logprobs(
-            digest, position, count=sampling.logprobs, masked=masked
+            digest, position, count=sampling.logprobs, processors=processors
         )
 
     def _update(self, step: _Step, result: _StepResult) -> None:

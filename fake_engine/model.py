@@ -13,8 +13,8 @@ block size of the engine that computed it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -84,23 +84,58 @@ def _likeliest(value: int, first: int, count: int) -> list[TokenLogprob]:
     return out
 
 
-def _unmasked(value: int, masked: AbstractSet[int]) -> TokenLogprob:
-    """The likeliest token of the position whose value is ``value`` that is
-    not in ``masked``, with its unmasked log probability and rank: what
-    greedy sampling takes where vLLM's min-tokens processor masks stop
-    tokens, and the logprob vLLM reports for it (raw, before the mask)."""
+@dataclass(frozen=True)
+class Processors:
+    """What vLLM's logits processors do to a position's logits before greedy
+    sampling, after its raw logprobs are taken: only ``allowed`` tokens are
+    kept where set (``allowed_token_ids``), ``masked`` ones are dropped (stop
+    tokens under ``min_tokens``), and ``bias`` is added (``logit_bias``)."""
+
+    allowed: frozenset[int] | None = None
+    masked: frozenset[int] = frozenset()
+    bias: Mapping[int, float] = field(default_factory=dict)
+
+    def keeps(self, token: int) -> bool:
+        """Whether ``token``'s logit is left finite."""
+        return token not in self.masked and (
+            self.allowed is None or token in self.allowed
+        )
+
+    def changes(self, token: int) -> bool:
+        """Whether the processors may turn greedy sampling from ``token``,
+        the likeliest."""
+        return bool(self.bias) or not self.keeps(token)
+
+
+# No processor: greedy sampling takes the likeliest token.
+NO_PROCESSORS = Processors()
+
+
+def _sample(value: int, processors: Processors) -> TokenLogprob:
+    """The token greedy sampling takes through ``processors`` at the
+    position whose value is ``value``, with its raw log probability and
+    rank (what vLLM reports for it): the kept token whose logprob plus bias
+    is highest, the lowest id of equals, as argmax."""
     likeliest = _likeliest(value, _pick(value), _PROMPT_RANKS)
-    for entry in likeliest:
-        if entry.token_id not in masked:
-            return entry
-    rest = [
-        _scored(value, token, likeliest)
-        for token in range(VOCAB_SIZE)
-        if token not in masked
-    ]
-    # Ties go to the lowest id, as argmax; with every token masked, argmax
-    # over -inf logits takes token 0.
-    return min(rest, key=lambda e: e.rank, default=_scored(value, 0, likeliest))
+    keeps, bias = processors.keeps, processors.bias
+    # The likeliest kept token without a bias: no other unbiased one beats it.
+    best = next(
+        (e for e in likeliest if keeps(e.token_id) and e.token_id not in bias), None
+    )
+    if best is None:
+        pool = range(VOCAB_SIZE) if processors.allowed is None else processors.allowed
+        rest = [
+            _scored(value, t, likeliest) for t in pool if keeps(t) and t not in bias
+        ]
+        best = min(rest, key=lambda e: (e.rank, e.token_id), default=None)
+    candidates = [] if best is None else [best]
+    candidates += [_scored(value, t, likeliest) for t in bias if keeps(t)]
+    if not candidates:
+        # Every logit is -inf: argmax takes token 0.
+        return _scored(value, 0, likeliest)
+    return max(
+        candidates, key=lambda e: (e.logprob + bias.get(e.token_id, 0.0), -e.token_id)
+    )
 
 
 def _scored(value: int, token: int, likeliest: list[TokenLogprob]) -> TokenLogprob:
@@ -243,14 +278,15 @@ class FakeModel:
         return [value & MASK64 for value in sums.tolist()]
 
     def next_token(
-        self, digest: int, position: int, *, masked: AbstractSet[int] = frozenset()
+        self, digest: int, position: int, processors: Processors = NO_PROCESSORS
     ) -> int:
         """The token at ``position``, from the digest of the KV before it:
-        the likeliest there, or the likeliest not in ``masked``."""
+        the likeliest there, as greedy sampling through ``processors``
+        takes it."""
         value = mix(digest ^ splitmix64(position))
         token = _pick(value)
-        if token in masked:
-            return _unmasked(value, masked).token_id
+        if processors.changes(token):
+            return _sample(value, processors).token_id
         return token
 
     def logprobs(
@@ -259,17 +295,17 @@ class FakeModel:
         position: int,
         *,
         count: int,
-        masked: AbstractSet[int] = frozenset(),
+        processors: Processors = NO_PROCESSORS,
     ) -> list[TokenLogprob]:
         """The token :meth:`next_token` picks, then the ``count`` likeliest
         (the pick listed once): what vLLM returns for a sampled token when
         ``count`` top logprobs are asked. They are raw, vLLM's default, taken
-        before any mask: a masked token may still rank first."""
+        before the processors: another token than the pick may rank first."""
         value = mix(digest ^ splitmix64(position))
         likeliest = _likeliest(value, _pick(value), max(1, count))
-        if likeliest[0].token_id not in masked:
+        if not processors.changes(likeliest[0].token_id):
             return likeliest
-        sampled = _unmasked(value, masked)
+        sampled = _sample(value, processors)
         top = {e.token_id: e for e in likeliest[:count]}
         return list({sampled.token_id: sampled, **top}.values())
 
@@ -279,7 +315,7 @@ class FakeModel:
         position: int,
         *,
         token_ids: Iterable[int],
-        masked: AbstractSet[int] = frozenset(),
+        processors: Processors = NO_PROCESSORS,
     ) -> list[TokenLogprob]:
         """The token :meth:`next_token` picks (with its rank), then each of
         ``token_ids`` with its log probability there: what vLLM returns for
@@ -290,8 +326,8 @@ class FakeModel:
         value = mix(digest ^ splitmix64(position))
         likeliest = _likeliest(value, _pick(value), _PROMPT_RANKS)
         sampled = likeliest[0]
-        if sampled.token_id in masked:
-            sampled = _unmasked(value, masked)
+        if processors.changes(sampled.token_id):
+            sampled = _sample(value, processors)
         entries = {sampled.token_id: sampled}
         for rank, token in enumerate(token_ids, start=1):
             entries[token] = _scored(value, token, likeliest)._replace(rank=rank)

@@ -4,6 +4,7 @@ them), response and stream chunk bodies, and vLLM's error JSON."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -236,6 +237,7 @@ class _GenerateRequest(_OpenAIModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -266,6 +268,9 @@ class _GenerateRequest(_OpenAIModel):
         Raises:
             RequestError: For the first value vLLM or this engine refuses.
         """
+        if not self.use_beam_search:
+            # SamplingParams.from_optional converts its keys before any check.
+            _ = self.sampling_logit_bias
         if self.num_choices < 1:
             raise vllm_validation_error(
                 f"n must be at least 1, got {self.num_choices}."
@@ -292,6 +297,64 @@ class _GenerateRequest(_OpenAIModel):
             raise vllm_validation_error(
                 f"n must be 1 when using greedy sampling, got {self.num_choices}."
             )
+        self._check_sampled_token_ids()
+
+    def _check_sampled_token_ids(self) -> None:
+        """vLLM's checks of the token ids sampling takes (``SamplingParams``'s
+        ``verify``, in its order): each in the vocabulary, and
+        ``allowed_token_ids`` not empty.
+
+        Raises:
+            RequestError: vLLM's 400 for the first check that fails.
+        """
+        for name, token_ids in (
+            ("logit_bias", list(self.sampling_logit_bias)),
+            ("stop_token_ids", self.stop_token_ids or []),
+        ):
+            if invalid := [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]:
+                raise vllm_validation_error(
+                    f"token_id(s) {invalid} in {name} contain out-of-vocab "
+                    f"token ids. Vocabulary size: {VOCAB_SIZE}",
+                    param=name,
+                    value=invalid,
+                )
+        if (allowed := self.allowed_token_ids) is None:
+            return
+        if not allowed:
+            raise vllm_validation_error(
+                "allowed_token_ids is not None and empty!",
+                param="allowed_token_ids",
+                value=allowed,
+            )
+        if invalid := [t for t in allowed if t < 0 or t >= VOCAB_SIZE]:
+            raise vllm_validation_error(
+                "allowed_token_ids contains out-of-vocab token id!",
+                param="allowed_token_ids",
+                value=invalid,
+            )
+
+    @functools.cached_property
+    def sampling_logit_bias(self) -> dict[int, float]:
+        """``logit_bias`` as ``SamplingParams.from_optional`` takes it: keys
+        converted to token ids, biases clamped to [-100, 100].
+
+        Raises:
+            RequestError: vLLM's 400 naming the keys that are no integers.
+        """
+        bias, invalid = {}, []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = min(100.0, max(-100.0, value))
+            except ValueError:
+                invalid.append(key)
+        if invalid:
+            raise vllm_validation_error(
+                "logit_bias contains key(s) that cannot be converted to integer "
+                f"token IDs: {invalid!r}",
+                param="logit_bias",
+                value=invalid,
+            )
+        return bias
 
     @staticmethod
     def _check_logprob_count(name: str, count: int | None) -> None:

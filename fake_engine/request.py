@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_patch.host import FinishReason
-from fake_engine.model import TokenLogprob
+from fake_engine.model import Processors, TokenLogprob
 from fake_engine.tokenizer import EOS_TOKEN_ID, decode
 
 # Text of finish reasons in responses, as vLLM writes them.
@@ -45,13 +46,22 @@ class SamplingOptions:
     # Tokens whose logprobs to return with each generated token instead of
     # the top ones (vLLM's ``logprob_token_ids``); None: none asked.
     logprob_token_ids: tuple[int, ...] | None = None
+    # vLLM's ``logit_bias`` (clamped to [-100, 100]) and ``allowed_token_ids``.
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: frozenset[int] | None = None
 
     @functools.cached_property
-    def all_stop_token_ids(self) -> frozenset[int]:
-        """What the sampler masks until ``min_tokens`` are generated, as
-        vLLM's min-tokens processor: the stop token ids and EOS (ignored or
-        not)."""
-        return frozenset((*self.stop_token_ids, EOS_TOKEN_ID))
+    def processors(self) -> Processors:
+        """The logits processors sampling goes through once ``min_tokens``
+        are generated."""
+        return Processors(allowed=self.allowed_token_ids, bias=self.logit_bias)
+
+    @functools.cached_property
+    def min_tokens_processors(self) -> Processors:
+        """Those until then: vLLM's min-tokens processor also masks the stop
+        token ids and EOS (ignored or not)."""
+        masked = frozenset((*self.stop_token_ids, EOS_TOKEN_ID))
+        return replace(self.processors, masked=masked)
 
 
 @dataclass(frozen=True)

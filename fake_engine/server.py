@@ -550,6 +550,10 @@ class EngineServer:
                 skip_special_tokens=body.skip_special_tokens,
                 logprobs=body.sample_logprobs,
                 logprob_token_ids=body.requested_logprob_token_ids,
+                logit_bias=body.sampling_logit_bias,
+                allowed_token_ids=None
+                if body.allowed_token_ids is None
+                else frozenset(body.allowed_token_ids),
             ),
             kv_transfer_params=dict(params) if params is not None else None,
             aliases=aliases,

@@ -304,6 +304,30 @@ async def test_eos_ends_the_output_unless_ignored_or_before_min_tokens(
         assert EOS_TOKEN_ID not in held_ids[: ended + 5]
 
 
+async def test_logit_bias_and_allowed_token_ids_steer_the_output_as_on_vllm(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # As vLLM's logits processors (tests/vllm/test_fake_engine_wire.py runs
+    # the same on both engines).
+    body = completion_body(max_tokens=6, return_token_ids=True)
+    _, free = await post(session, url + COMPLETIONS, body)
+    ids = free["choices"][0]["token_ids"]
+    eos = {"logit_bias": {str(EOS_TOKEN_ID): 100}}
+    _, forced = await post(session, url + COMPLETIONS, {**body, **eos})
+    assert forced["choices"][0]["token_ids"] == [EOS_TOKEN_ID] * 6
+    _, held = await post(session, url + COMPLETIONS, {**body, **eos, "min_tokens": 2})
+    assert held["choices"][0]["token_ids"][:2] == ids[:2]
+    assert held["choices"][0]["token_ids"][2:] == [EOS_TOKEN_ID] * 4
+    dropped = {"logit_bias": {str(ids[0]): -100}}
+    _, other = await post(session, url + COMPLETIONS, {**body, **dropped})
+    assert other["choices"][0]["token_ids"][0] != ids[0]
+    allowed = {"allowed_token_ids": [ord("Q"), ids[0]]}
+    _, kept = await post(session, url + COMPLETIONS, {**body, **allowed})
+    assert set(kept["choices"][0]["token_ids"]) <= {ord("Q"), ids[0]}
+    # The greedy pick, allowed, stays.
+    assert kept["choices"][0]["token_ids"][0] == ids[0]
+
+
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
     session: aiohttp.ClientSession, url: str
 ) -> None:

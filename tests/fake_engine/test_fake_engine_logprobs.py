@@ -25,7 +25,7 @@ from fake_engine_helpers import (
 )
 
 from fake_engine.config import EngineConfig, Role
-from fake_engine.model import FakeModel
+from fake_engine.model import FakeModel, Processors
 from fake_engine.testing import EngineSpec, fake_engines
 from fake_engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, decode, encode
 
@@ -48,21 +48,21 @@ def test_a_masked_pick_gives_way_to_the_likeliest_token_left() -> None:
     model = FakeModel(EngineConfig())
     for digest in range(50):
         first, second, third = model.logprobs(digest, 9, count=3)
-        masked = frozenset({first.token_id, second.token_id})
-        assert model.next_token(digest, 9, masked=masked) == third.token_id
-        assert model.logprobs(digest, 9, count=0, masked=masked) == [third]
-        assert model.logprobs(digest, 9, count=2, masked=masked) == [
+        masked = Processors(masked=frozenset({first.token_id, second.token_id}))
+        assert model.next_token(digest, 9, masked) == third.token_id
+        assert model.logprobs(digest, 9, count=0, processors=masked) == [third]
+        assert model.logprobs(digest, 9, count=2, processors=masked) == [
             third,
             first,
             second,
         ]
-        assert model.logprobs(digest, 9, count=3, masked=masked) == [
+        assert model.logprobs(digest, 9, count=3, processors=masked) == [
             third,
             first,
             second,
         ]
         requested = model.requested_logprobs(
-            digest, 9, token_ids=[first.token_id], masked=masked
+            digest, 9, token_ids=[first.token_id], processors=masked
         )
         assert requested == [third, first]
 
@@ -70,18 +70,59 @@ def test_a_masked_pick_gives_way_to_the_likeliest_token_left() -> None:
 def test_with_every_ranked_token_masked_the_likeliest_of_the_rest_is_taken() -> None:
     model = FakeModel(EngineConfig())
     for digest in range(20):
-        masked = frozenset(e.token_id for e in model.logprobs(digest, 9, count=21))
-        token = model.next_token(digest, 9, masked=masked)
-        (sampled,) = model.logprobs(digest, 9, count=0, masked=masked)
-        assert sampled.token_id == token and token not in masked
+        ranked = frozenset(e.token_id for e in model.logprobs(digest, 9, count=21))
+        masked = Processors(masked=ranked)
+        token = model.next_token(digest, 9, masked)
+        (sampled,) = model.logprobs(digest, 9, count=0, processors=masked)
+        assert sampled.token_id == token and token not in ranked
         assert sampled.rank > 21
         rest = model.requested_logprobs(
-            digest, 9, token_ids=[t for t in range(VOCAB_SIZE) if t not in masked]
+            digest, 9, token_ids=[t for t in range(VOCAB_SIZE) if t not in ranked]
         )
         assert sampled.logprob == max(e.logprob for e in rest[1:])
         # Every token masked: argmax over -inf logits takes token 0.
-        everything = frozenset(range(VOCAB_SIZE))
-        assert model.next_token(digest, 9, masked=everything) == 0
+        everything = Processors(masked=frozenset(range(VOCAB_SIZE)))
+        assert model.next_token(digest, 9, everything) == 0
+        # Allowed, the pick stays.
+        kept = Processors(allowed=ranked)
+        assert model.next_token(digest, 9, kept) == model.next_token(digest, 9)
+
+
+def test_a_logit_bias_moves_the_pick_by_logprob_plus_bias() -> None:
+    # As vLLM's logit-bias processor: the bias is added to the logits after
+    # the raw logprobs are taken; a bias of 100 takes any token, one of -100
+    # drops the pick for the next likeliest.
+    model = FakeModel(EngineConfig())
+    for digest in range(50):
+        first, second = model.logprobs(digest, 9, count=2)
+        for token in (EOS_TOKEN_ID, ord("Q"), second.token_id):
+            forced = Processors(bias={token: 100.0})
+            assert model.next_token(digest, 9, forced) == token
+        dropped = Processors(bias={first.token_id: -100.0})
+        assert model.next_token(digest, 9, dropped) == second.token_id
+        assert model.logprobs(digest, 9, count=1, processors=dropped) == [
+            second,
+            first,
+        ]
+        # Just enough to overtake the pick, and not quite.
+        gap = first.logprob - second.logprob
+        ahead = Processors(bias={second.token_id: gap * 1.01})
+        behind = Processors(bias={second.token_id: gap * 0.99})
+        assert model.next_token(digest, 9, ahead) == second.token_id
+        assert model.next_token(digest, 9, behind) == first.token_id
+
+
+def test_allowed_token_ids_keep_the_likeliest_of_them() -> None:
+    model = FakeModel(EngineConfig())
+    for digest in range(50):
+        _, second, third = model.logprobs(digest, 9, count=3)
+        allowed = Processors(allowed=frozenset({third.token_id, second.token_id}))
+        assert model.next_token(digest, 9, allowed) == second.token_id
+        only = Processors(allowed=frozenset({ord("Q")}))
+        assert model.next_token(digest, 9, only) == ord("Q")
+        # Masked too: nothing is left, and argmax takes token 0.
+        both = Processors(allowed=frozenset({ord("Q")}), masked=frozenset({ord("Q")}))
+        assert model.next_token(digest, 9, both) == 0
 
 
 def test_prompt_logprobs_rank_each_prompt_token_then_the_likeliest() -> None:

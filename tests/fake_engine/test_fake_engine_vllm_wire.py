@@ -181,6 +181,55 @@ async def test_min_tokens_may_take_all_the_room_left(
             f"(parameter=input_tokens, value={MAX_MODEL_LEN + 1})",
             id="text-prompt-too-long",
         ),
+        # SamplingParams.from_optional: keys int() cannot take (it takes
+        # " 8" and "1_0").
+        pytest.param(
+            {"prompt": "x", "logit_bias": {"x": 1, " 8": 2, "1_0": 3, "1.5": 4}},
+            "logit_bias",
+            "logit_bias contains key(s) that cannot be converted to integer "
+            "token IDs: ['x', '1.5'] (parameter=logit_bias, value=['x', '1.5'])",
+            id="logit-bias-key-no-integer",
+        ),
+        # SamplingParams.verify: logit_bias, then stop_token_ids, then
+        # allowed_token_ids.
+        pytest.param(
+            {
+                "prompt": "x",
+                "logit_bias": {str(VOCAB_SIZE): 1, "-1": 2, "0": 3},
+                "stop_token_ids": [VOCAB_SIZE],
+            },
+            "logit_bias",
+            f"token_id(s) [{VOCAB_SIZE}, -1] in logit_bias contain out-of-vocab "
+            f"token ids. Vocabulary size: {VOCAB_SIZE} "
+            f"(parameter=logit_bias, value=[{VOCAB_SIZE}, -1])",
+            id="out-of-vocab-logit-bias",
+        ),
+        pytest.param(
+            {
+                "prompt": "x",
+                "stop_token_ids": [0, VOCAB_SIZE - 1, VOCAB_SIZE],
+                "allowed_token_ids": [],
+            },
+            "stop_token_ids",
+            f"token_id(s) [{VOCAB_SIZE}] in stop_token_ids contain out-of-vocab "
+            f"token ids. Vocabulary size: {VOCAB_SIZE} "
+            f"(parameter=stop_token_ids, value=[{VOCAB_SIZE}])",
+            id="out-of-vocab-stop-token-ids",
+        ),
+        pytest.param(
+            {"prompt": "x", "allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids is not None and empty! "
+            "(parameter=allowed_token_ids, value=[])",
+            id="empty-allowed-token-ids",
+        ),
+        pytest.param(
+            {"prompt": "x", "allowed_token_ids": [0, VOCAB_SIZE, -1]},
+            "allowed_token_ids",
+            "allowed_token_ids contains out-of-vocab token id! "
+            f"(parameter=allowed_token_ids, value=[{VOCAB_SIZE}, -1])",
+            id="out-of-vocab-allowed-token-ids",
+        ),
     ],
 )
 async def test_vllm_validation_error_names_its_parameter_in_the_message(

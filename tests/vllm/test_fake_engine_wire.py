@@ -6,8 +6,8 @@ The proxy's tests run against fake engines; a field or an error vLLM sends
 and the fake engine does not would leave the proxy's handling of it
 untested (an echo's prompt token ids in a stream were one). The rules the
 fake engine copies from vLLM's sampler and detokenizer (stop tokens, EOS,
-``min_tokens``) are checked on vLLM itself, and on both where the fake
-engine can be made to meet them.
+``min_tokens``, ``logit_bias``, ``allowed_token_ids``) are checked on both
+engines' own greedy outputs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from vllm_servers import EngineSpec, Servers
 
 from fake_engine.config import EngineConfig
 from fake_engine.testing import fake_engines
+from fake_engine.tokenizer import EOS_TOKEN_ID
 from tests.support.shapes import filled, shape, sse_data
 
 pytestmark = [
@@ -45,6 +46,8 @@ BEAMS = {"use_beam_search": True, "n": 2}
 TOKEN_IDS = {"logprob_token_ids": [100, 200, 100]}
 # The tiny model's EOS (scripts/make_tiny_model.py).
 TINY_EOS_TOKEN_ID = 1
+# Past both vocabularies (the tiny model's 512, the fake engine's 257).
+OUT_OF_VOCAB = 600
 
 # Fields both routes take, the same way.
 SHARED: dict[str, dict[str, Any]] = {
@@ -170,6 +173,14 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "too-many-logprob-token-ids": (
         CHAT,
         {"logprobs": True, "logprob_token_ids": list(range(129))},
+    ),
+    "logit-bias-key-no-integer": (COMPLETIONS, {"logit_bias": {"x": 1, "7": 1}}),
+    "out-of-vocab-logit-bias": (CHAT, {"logit_bias": {str(OUT_OF_VOCAB): 1}}),
+    "out-of-vocab-stop-token-ids": (COMPLETIONS, {"stop_token_ids": [OUT_OF_VOCAB]}),
+    "empty-allowed-token-ids": (CHAT, {"allowed_token_ids": []}),
+    "out-of-vocab-allowed-token-ids": (
+        COMPLETIONS,
+        {"allowed_token_ids": [5, OUT_OF_VOCAB]},
     ),
 }
 
@@ -329,31 +340,47 @@ async def test_vllm_and_the_fake_engine_follow_the_same_stop_rules(
     await check_stop_rules(http, fake)
 
 
-async def test_vllm_generates_an_ignored_eos_and_masks_eos_until_min_tokens(
-    http: aiohttp.ClientSession, servers: Servers
+async def check_logits_processors(
+    http: aiohttp.ClientSession, url: str, eos_token_id: int
 ) -> None:
-    # What the fake engine copies (it has no logit_bias to force EOS with):
-    # an ignored EOS is generated and the output goes on, and min_tokens
-    # masks EOS, ignored or not.
-    await servers.use({"producer": EngineSpec("producer")})
-    url = servers.engine("producer").url
+    """What the logits processors do to the engine's greedy output: a bias
+    of 100 on EOS makes every token EOS, which ``ignore_eos`` generates and
+    goes on past; ``min_tokens`` masks EOS, ignored or not; a bias of -100
+    drops the greedy pick; ``allowed_token_ids`` keep the output to them."""
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
         "max_tokens": 6,
         "temperature": 0,
         "return_token_ids": True,
-        "logit_bias": {str(TINY_EOS_TOKEN_ID): 100},
     }
-    eos = [TINY_EOS_TOKEN_ID]
-    ignored = await first_choice(http, url, {**body, "ignore_eos": True})
+    eos = [eos_token_id]
+    forced = {**body, "logit_bias": {str(eos_token_id): 100}}
+    ignored = await first_choice(http, url, {**forced, "ignore_eos": True})
     assert (ignored["token_ids"], ignored["finish_reason"]) == (eos * 6, "length")
     assert ignored["text"] == ""
-    shown = {**body, "ignore_eos": True, "skip_special_tokens": False}
+    shown = {**forced, "ignore_eos": True, "skip_special_tokens": False}
     assert (await first_choice(http, url, shown))["text"] == "</s>" * 6
-    held = await first_choice(http, url, {**body, "ignore_eos": True, "min_tokens": 3})
+    held = await first_choice(
+        http, url, {**forced, "ignore_eos": True, "min_tokens": 3}
+    )
     assert held["token_ids"][3:] == eos * 3
-    assert TINY_EOS_TOKEN_ID not in held["token_ids"][:3]
-    ended = await first_choice(http, url, {**body, "min_tokens": 3})
+    assert eos_token_id not in held["token_ids"][:3]
+    ended = await first_choice(http, url, {**forced, "min_tokens": 3})
     assert ended["token_ids"] == held["token_ids"][:4]
     assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", None)
+    free = (await first_choice(http, url, {**body, "ignore_eos": True}))["token_ids"]
+    dropped = {**body, "ignore_eos": True, "logit_bias": {str(free[0]): -100}}
+    assert (await first_choice(http, url, dropped))["token_ids"][0] != free[0]
+    allowed = {**body, "ignore_eos": True, "allowed_token_ids": [free[2]]}
+    assert (await first_choice(http, url, allowed))["token_ids"] == [free[2]] * 6
+
+
+async def test_vllm_and_the_fake_engine_apply_logit_bias_and_allowed_token_ids_alike(
+    http: aiohttp.ClientSession, servers: Servers, fake: str
+) -> None:
+    await servers.use({"producer": EngineSpec("producer")})
+    await check_logits_processors(
+        http, servers.engine("producer").url, TINY_EOS_TOKEN_ID
+    )
+    await check_logits_processors(http, fake, EOS_TOKEN_ID)
