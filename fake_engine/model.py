@@ -123,9 +123,10 @@ def _sample(value: int, processors: Processors) -> TokenLogprob:
         (e for e in likeliest if keeps(e.token_id) and e.token_id not in bias), None
     )
     if best is None:
-        pool = range(VOCAB_SIZE) if processors.allowed is None else processors.allowed
         rest = [
-            _scored(value, t, likeliest) for t in pool if keeps(t) and t not in bias
+            _scored(value, t, likeliest)
+            for t in range(VOCAB_SIZE)
+            if keeps(t) and t not in bias
         ]
         best = min(rest, key=lambda e: (e.rank, e.token_id), default=None)
     candidates = [] if best is None else [best]

@@ -318,6 +318,10 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_output_as_on_vllm(
     _, held = await post(session, url + COMPLETIONS, {**body, **eos, "min_tokens": 2})
     assert held["choices"][0]["token_ids"][:2] == ids[:2]
     assert held["choices"][0]["token_ids"][2:] == [EOS_TOKEN_ID] * 4
+    # Biases are clamped to [-100, 100]: the likelier of two at 100 wins.
+    clamped = {"logit_bias": {str(ids[0]): 100, str(ord("Q")): 1000}}
+    _, both = await post(session, url + COMPLETIONS, {**body, **clamped})
+    assert both["choices"][0]["token_ids"][0] == ids[0]
     dropped = {"logit_bias": {str(ids[0]): -100}}
     _, other = await post(session, url + COMPLETIONS, {**body, **dropped})
     assert other["choices"][0]["token_ids"][0] != ids[0]

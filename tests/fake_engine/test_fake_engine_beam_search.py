@@ -19,7 +19,7 @@ from fake_engine_helpers import (
     text_of,
 )
 
-from fake_engine.tokenizer import EOS_TOKEN_ID, encode
+from fake_engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, encode
 
 BEAMS = {"use_beam_search": True, "n": 3}
 
@@ -140,6 +140,25 @@ async def test_beam_searches_vllm_refuses_are_refused_in_its_words(
     status, answer = await post(session, url + route, make(**{**BEAMS, **fields}))
     assert status == 400
     assert answer["error"]["message"].startswith(message)
+
+
+async def test_a_beam_search_takes_and_ignores_what_steers_sampling(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # vLLM's beam search builds no SamplingParams from the body: logit_bias,
+    # allowed_token_ids and stop_token_ids are neither checked nor applied.
+    _, plain = await post(session, url + COMPLETIONS, completion_body(**BEAMS))
+    steered = completion_body(
+        **BEAMS,
+        logit_bias={"x": 1, "65": 100},
+        allowed_token_ids=[],
+        stop_token_ids=[VOCAB_SIZE],
+    )
+    status, answer = await post(session, url + COMPLETIONS, steered)
+    assert status == 200
+    assert [c["text"] for c in answer["choices"]] == [
+        c["text"] for c in plain["choices"]
+    ]
 
 
 async def test_a_beams_eos_is_in_its_tokens_only_where_asked_never_in_its_text(

@@ -125,6 +125,24 @@ def test_allowed_token_ids_keep_the_likeliest_of_them() -> None:
         assert model.next_token(digest, 9, both) == 0
 
 
+def test_equal_tokens_go_to_the_lowest_id_as_argmax() -> None:
+    model = FakeModel(EngineConfig())
+    digest = 7
+    ranked = {e.token_id for e in model.logprobs(digest, 9, count=21)}
+    unranked = [t for t in range(VOCAB_SIZE) if t not in ranked]
+    # Tokens past the ranked ones share 100 log probabilities: two of them
+    # tie.
+    by_logprob: dict[float, list[int]] = {}
+    for entry in model.requested_logprobs(digest, 9, token_ids=unranked)[1:]:
+        by_logprob.setdefault(entry.logprob, []).append(entry.token_id)
+    low, high = next(ids for ids in by_logprob.values() if len(ids) > 1)[:2]
+    assert low < high
+    allowed = Processors(allowed=frozenset({high, low}))
+    assert model.next_token(digest, 9, allowed) == low
+    biased = Processors(bias={high: 100.0, low: 100.0})
+    assert model.next_token(digest, 9, biased) == low
+
+
 def test_prompt_logprobs_rank_each_prompt_token_then_the_likeliest() -> None:
     model = FakeModel(EngineConfig())
     ids = encode(PROMPT)

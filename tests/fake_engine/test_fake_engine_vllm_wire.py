@@ -190,6 +190,14 @@ async def test_min_tokens_may_take_all_the_room_left(
             "token IDs: ['x', '1.5'] (parameter=logit_bias, value=['x', '1.5'])",
             id="logit-bias-key-no-integer",
         ),
+        # ... before SamplingParams checks any value.
+        pytest.param(
+            {"prompt": "x", "n": 0, "temperature": -1, "logit_bias": {"x": 1}},
+            "logit_bias",
+            "logit_bias contains key(s) that cannot be converted to integer "
+            "token IDs: ['x'] (parameter=logit_bias, value=['x'])",
+            id="logit-bias-key-checked-first",
+        ),
         # SamplingParams.verify: logit_bias, then stop_token_ids, then
         # allowed_token_ids.
         pytest.param(

@@ -90,6 +90,16 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Beam search: the beams are the choices.
     "completion-beam": (COMPLETIONS, BEAMS),
     "completion-beam-logprobs": (COMPLETIONS, {**BEAMS, "logprobs": 1}),
+    # Neither checked nor applied by a beam search.
+    "completion-beam-steering": (
+        COMPLETIONS,
+        {
+            **BEAMS,
+            "logit_bias": {"x": 1},
+            "allowed_token_ids": [],
+            "stop_token_ids": [OUT_OF_VOCAB],
+        },
+    ),
     "chat-beam": (CHAT, BEAMS),
     "chat-stream-beam": (CHAT, {**BEAMS, "stream": True}),
     # Logprobs: of each token, of the prompt's.
@@ -175,6 +185,7 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"logprobs": True, "logprob_token_ids": list(range(129))},
     ),
     "logit-bias-key-no-integer": (COMPLETIONS, {"logit_bias": {"x": 1, "7": 1}}),
+    "logit-bias-key-before-n": (COMPLETIONS, {"n": 0, "logit_bias": {"x": 1}}),
     "out-of-vocab-logit-bias": (CHAT, {"logit_bias": {str(OUT_OF_VOCAB): 1}}),
     "out-of-vocab-stop-token-ids": (COMPLETIONS, {"stop_token_ids": [OUT_OF_VOCAB]}),
     "empty-allowed-token-ids": (CHAT, {"allowed_token_ids": []}),
@@ -370,6 +381,14 @@ async def check_logits_processors(
     assert ended["token_ids"] == held["token_ids"][:4]
     assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", None)
     free = (await first_choice(http, url, {**body, "ignore_eos": True}))["token_ids"]
+    # Biases are clamped to [-100, 100]: the likelier of two at 100 wins.
+    other = str((free[0] + 1) % 256)
+    clamped = {
+        **body,
+        "ignore_eos": True,
+        "logit_bias": {str(free[0]): 100, other: 1000},
+    }
+    assert (await first_choice(http, url, clamped))["token_ids"][0] == free[0]
     dropped = {**body, "ignore_eos": True, "logit_bias": {str(free[0]): -100}}
     assert (await first_choice(http, url, dropped))["token_ids"][0] != free[0]
     allowed = {**body, "ignore_eos": True, "allowed_token_ids": [free[2]]}
