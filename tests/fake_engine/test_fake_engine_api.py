@@ -322,6 +322,12 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_output_as_on_vllm(
     clamped = {"logit_bias": {str(ids[0]): 100, str(ord("Q")): 1000}}
     _, both = await post(session, url + COMPLETIONS, {**body, **clamped})
     assert both["choices"][0]["token_ids"][0] == ids[0]
+    low = {
+        "logit_bias": {str(ids[0]): -1000, str(ord("Q")): -100},
+        "allowed_token_ids": [ids[0], ord("Q")],
+    }
+    _, both = await post(session, url + COMPLETIONS, {**body, **low})
+    assert both["choices"][0]["token_ids"][0] == ids[0]
     dropped = {"logit_bias": {str(ids[0]): -100}}
     _, other = await post(session, url + COMPLETIONS, {**body, **dropped})
     assert other["choices"][0]["token_ids"][0] != ids[0]

@@ -389,6 +389,13 @@ async def check_logits_processors(
         "logit_bias": {str(free[0]): 100, other: 1000},
     }
     assert (await first_choice(http, url, clamped))["token_ids"][0] == free[0]
+    low = {
+        **body,
+        "ignore_eos": True,
+        "logit_bias": {str(free[0]): -1000, other: -100},
+        "allowed_token_ids": [free[0], int(other)],
+    }
+    assert (await first_choice(http, url, low))["token_ids"][0] == free[0]
     dropped = {**body, "ignore_eos": True, "logit_bias": {str(free[0]): -100}}
     assert (await first_choice(http, url, dropped))["token_ids"][0] != free[0]
     allowed = {**body, "ignore_eos": True, "allowed_token_ids": [free[2]]}
