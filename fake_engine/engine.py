@@ -459,9 +459,7 @@ class Engine:
             digest_slots=self.kv.slots(request.request_id, request.num_digested, end),
             prefix_hashes=request.prefix_hashes[start:end],
             samples=end == request.num_tokens,
-            processors=request.sampling.min_tokens_processors
-            if len(request.output_token_ids) < request.sampling.min_tokens
-            else request.sampling.processors,
+            processors=request.sampling.processors_after(request.output_token_ids),
         )
 
     def _preempt(self, request: EngineRequest) -> None:

@@ -25,7 +25,7 @@ from pydantic import (
 
 from engine_patch.log import get_logger
 from fake_engine.model import TokenLogprob
-from fake_engine.tokenizer import VOCAB_SIZE, decode
+from fake_engine.tokenizer import VOCAB_SIZE, decode, encode
 
 logger = get_logger(__name__)
 
@@ -200,6 +200,8 @@ def _check_chat_logprob_token_ids(data: dict[str, Any]) -> None:
 
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for.
 MAX_LOGPROBS = 20
+# vLLM's VLLM_MAX_NUM_BAD_WORDS default: the most bad words, tokenized.
+MAX_BAD_WORDS = 128
 # vLLM's MAX_LOGPROB_TOKEN_IDS: the most tokens ``logprob_token_ids`` lists.
 MAX_LOGPROB_TOKEN_IDS = 128
 
@@ -238,6 +240,7 @@ class _GenerateRequest(_OpenAIModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
     user: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -291,6 +294,11 @@ class _GenerateRequest(_OpenAIModel):
             if (count := 2 * self.num_choices) > MAX_LOGPROBS:
                 raise _too_many_logprobs("logprobs", count)
             return
+        if "" in self.bad_words:
+            raise vllm_validation_error(
+                "bad_words cannot contain an empty string. "
+                f"Got bad_words={list(dict.fromkeys(self.bad_words))}"
+            )
         # Checked after the ranges, as SamplingParams does.
         greedy = self.temperature is not None and self.temperature < _SAMPLING_EPS
         if greedy and self.num_choices > 1:
@@ -298,6 +306,7 @@ class _GenerateRequest(_OpenAIModel):
                 f"n must be 1 when using greedy sampling, got {self.num_choices}."
             )
         self._check_sampled_token_ids()
+        _ = self.bad_words_token_ids
 
     def _check_sampled_token_ids(self) -> None:
         """vLLM's checks of the token ids sampling takes (``SamplingParams``'s
@@ -332,6 +341,36 @@ class _GenerateRequest(_OpenAIModel):
                 param="allowed_token_ids",
                 value=invalid,
             )
+
+    @functools.cached_property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` as vLLM's ``update_from_tokenizer`` tokenizes them:
+        each word once, stripped on the left. (Its form with a leading space
+        is taken too where it encodes to as many tokens, a new first one; on
+        this byte-level vocabulary it is always one token longer.)
+
+        Raises:
+            RequestError: vLLM's 400 for a word of only spaces, or past
+                ``MAX_BAD_WORDS`` words.
+        """
+        words = list(dict.fromkeys(self.bad_words))
+        token_ids = []
+        for word in words:
+            if not (ids := encode(word.lstrip())):
+                raise vllm_validation_error(
+                    "bad_words entries must tokenize to at least one token.",
+                    param="bad_words",
+                    value=words,
+                )
+            token_ids.append(tuple(ids))
+            if len(token_ids) > MAX_BAD_WORDS:
+                raise vllm_validation_error(
+                    f"Too many bad words after tokenization: {len(token_ids)}. "
+                    f"The max number is {MAX_BAD_WORDS}.",
+                    param="bad_words",
+                    value=words,
+                )
+        return tuple(token_ids)
 
     @functools.cached_property
     def sampling_logit_bias(self) -> dict[int, float]:

@@ -49,6 +49,8 @@ class SamplingOptions:
     # vLLM's ``logit_bias`` (clamped to [-100, 100]) and ``allowed_token_ids``.
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: frozenset[int] | None = None
+    # vLLM's ``bad_words``, tokenized.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @functools.cached_property
     def processors(self) -> Processors:
@@ -62,6 +64,26 @@ class SamplingOptions:
         token ids and EOS (ignored or not)."""
         masked = frozenset((*self.stop_token_ids, EOS_TOKEN_ID))
         return replace(self.processors, masked=masked)
+
+    def processors_after(self, output_token_ids: list[int]) -> Processors:
+        """The logits processors the token after ``output_token_ids`` goes
+        through: besides the above, vLLM's bad-words processor masks the
+        last token of each bad word whose other tokens end the output."""
+        processors = (
+            self.min_tokens_processors
+            if len(output_token_ids) < self.min_tokens
+            else self.processors
+        )
+        if not self.bad_words_token_ids:
+            return processors
+        banned = frozenset(
+            word[-1]
+            for word in self.bad_words_token_ids
+            if len(word) == 1 or tuple(output_token_ids[1 - len(word) :]) == word[:-1]
+        )
+        if not banned:
+            return processors
+        return replace(processors, masked=processors.masked | banned)
 
 
 @dataclass(frozen=True)

@@ -551,6 +551,7 @@ class EngineServer:
                 logprobs=body.sample_logprobs,
                 logprob_token_ids=body.requested_logprob_token_ids,
                 logit_bias=body.sampling_logit_bias,
+                bad_words_token_ids=body.bad_words_token_ids,
                 allowed_token_ids=None
                 if body.allowed_token_ids is None
                 else frozenset(body.allowed_token_ids),

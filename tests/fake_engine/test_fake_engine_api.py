@@ -338,6 +338,27 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_output_as_on_vllm(
     assert kept["choices"][0]["token_ids"][0] == ids[0]
 
 
+async def test_bad_words_are_never_completed(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # As vLLM's bad-words processor: a word's last token is masked where its
+    # other tokens end the output (a one-token word: everywhere).
+    body = completion_body(max_tokens=20, return_token_ids=True)
+    _, free = await post(session, url + COMPLETIONS, body)
+    ids = free["choices"][0]["token_ids"]
+    assert len(set(ids[:3])) == 3
+    _, two = await post(
+        session, url + COMPLETIONS, {**body, "bad_words": [" " + decode(ids[1:3])]}
+    )
+    out = two["choices"][0]["token_ids"]
+    assert out[:2] == ids[:2] and out[2] != ids[2]
+    assert all(out[i : i + 2] != ids[1:3] for i in range(len(out)))
+    _, one = await post(
+        session, url + COMPLETIONS, {**body, "bad_words": [decode(ids[:1])]}
+    )
+    assert ids[0] not in one["choices"][0]["token_ids"]
+
+
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
     session: aiohttp.ClientSession, url: str
 ) -> None:

@@ -146,13 +146,15 @@ async def test_a_beam_search_takes_and_ignores_what_steers_sampling(
     session: aiohttp.ClientSession, url: str
 ) -> None:
     # vLLM's beam search builds no SamplingParams from the body: logit_bias,
-    # allowed_token_ids and stop_token_ids are neither checked nor applied.
+    # allowed_token_ids, stop_token_ids and bad_words are neither checked nor
+    # applied.
     _, plain = await post(session, url + COMPLETIONS, completion_body(**BEAMS))
     steered = completion_body(
         **BEAMS,
         logit_bias={"x": 1, "65": 100},
         allowed_token_ids=[],
         stop_token_ids=[VOCAB_SIZE],
+        bad_words=["", "  "],
     )
     status, answer = await post(session, url + COMPLETIONS, steered)
     assert status == 200

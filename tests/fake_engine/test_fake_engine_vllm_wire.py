@@ -238,6 +238,34 @@ async def test_min_tokens_may_take_all_the_room_left(
             f"(parameter=allowed_token_ids, value=[{VOCAB_SIZE}, -1])",
             id="out-of-vocab-allowed-token-ids",
         ),
+        # SamplingParams: duplicates dropped; an empty word (no parameter
+        # named), then words as update_from_tokenizer encodes them.
+        pytest.param(
+            {"prompt": "x", "bad_words": ["a", "", "a", ""]},
+            None,
+            "bad_words cannot contain an empty string. Got bad_words=['a', '']",
+            id="empty-bad-word",
+        ),
+        pytest.param(
+            {"prompt": "x", "bad_words": [""], "temperature": 0, "n": 2},
+            None,
+            "bad_words cannot contain an empty string. Got bad_words=['']",
+            id="empty-bad-word-before-greedy-n",
+        ),
+        pytest.param(
+            {"prompt": "x", "bad_words": ["a", "  ", "a"]},
+            "bad_words",
+            "bad_words entries must tokenize to at least one token. "
+            "(parameter=bad_words, value=['a', '  '])",
+            id="blank-bad-word",
+        ),
+        pytest.param(
+            {"prompt": "x", "bad_words": [str(i) for i in range(129)]},
+            "bad_words",
+            "Too many bad words after tokenization: 129. The max number is 128. "
+            f"(parameter=bad_words, value={[str(i) for i in range(129)]})",
+            id="too-many-bad-words",
+        ),
     ],
 )
 async def test_vllm_validation_error_names_its_parameter_in_the_message(

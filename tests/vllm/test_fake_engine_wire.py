@@ -6,8 +6,8 @@ The proxy's tests run against fake engines; a field or an error vLLM sends
 and the fake engine does not would leave the proxy's handling of it
 untested (an echo's prompt token ids in a stream were one). The rules the
 fake engine copies from vLLM's sampler and detokenizer (stop tokens, EOS,
-``min_tokens``, ``logit_bias``, ``allowed_token_ids``) are checked on both
-engines' own greedy outputs.
+``min_tokens``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``) are
+checked on both engines' own greedy outputs.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
             "logit_bias": {"x": 1},
             "allowed_token_ids": [],
             "stop_token_ids": [OUT_OF_VOCAB],
+            "bad_words": [""],
         },
     ),
     "chat-beam": (CHAT, BEAMS),
@@ -189,6 +190,17 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "out-of-vocab-logit-bias": (CHAT, {"logit_bias": {str(OUT_OF_VOCAB): 1}}),
     "out-of-vocab-stop-token-ids": (COMPLETIONS, {"stop_token_ids": [OUT_OF_VOCAB]}),
     "empty-allowed-token-ids": (CHAT, {"allowed_token_ids": []}),
+    "empty-bad-word": (COMPLETIONS, {"bad_words": ["a", ""]}),
+    "empty-bad-word-before-greedy-n": (
+        COMPLETIONS,
+        {"bad_words": [""], "temperature": 0, "n": 2},
+    ),
+    "blank-bad-word-after-logit-bias": (
+        CHAT,
+        {"bad_words": ["  "], "logit_bias": {str(OUT_OF_VOCAB): 1}},
+    ),
+    "blank-bad-word": (CHAT, {"bad_words": ["  "]}),
+    "too-many-bad-words": (COMPLETIONS, {"bad_words": [str(i) for i in range(129)]}),
     "out-of-vocab-allowed-token-ids": (
         COMPLETIONS,
         {"allowed_token_ids": [5, OUT_OF_VOCAB]},
@@ -357,7 +369,8 @@ async def check_logits_processors(
     """What the logits processors do to the engine's greedy output: a bias
     of 100 on EOS makes every token EOS, which ``ignore_eos`` generates and
     goes on past; ``min_tokens`` masks EOS, ignored or not; a bias of -100
-    drops the greedy pick; ``allowed_token_ids`` keep the output to them."""
+    drops the greedy pick; ``allowed_token_ids`` keep the output to them;
+    a bad word is never generated."""
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
@@ -400,6 +413,10 @@ async def check_logits_processors(
     assert (await first_choice(http, url, dropped))["token_ids"][0] != free[0]
     allowed = {**body, "ignore_eos": True, "allowed_token_ids": [free[2]]}
     assert (await first_choice(http, url, allowed))["token_ids"] == [free[2]] * 6
+    # A bad word of the first token's text: that token is never generated.
+    text = (await first_choice(http, url, {**body, "max_tokens": 1}))["text"]
+    bad = {**body, "ignore_eos": True, "bad_words": [text]}
+    assert free[0] not in (await first_choice(http, url, bad))["token_ids"]
 
 
 async def test_vllm_and_the_fake_engine_apply_logit_bias_and_allowed_token_ids_alike(
