@@ -81,8 +81,6 @@ class SamplingOptions:
             for word in self.bad_words_token_ids
             if len(word) == 1 or tuple(output_token_ids[1 - len(word) :]) == word[:-1]
         )
-        if not banned:
-            return processors
         return replace(processors, masked=processors.masked | banned)
 
 

@@ -357,6 +357,10 @@ async def test_bad_words_are_never_completed(
         session, url + COMPLETIONS, {**body, "bad_words": [decode(ids[:1])]}
     )
     assert ids[0] not in one["choices"][0]["token_ids"]
+    # Masked besides what min_tokens masks.
+    eos = {"logit_bias": {str(EOS_TOKEN_ID): 100}, "min_tokens": 2, "bad_words": ["Q"]}
+    _, held = await post(session, url + COMPLETIONS, {**body, **eos})
+    assert held["choices"][0]["token_ids"][:3] == [*ids[:2], EOS_TOKEN_ID]
 
 
 async def test_echo_puts_the_prompt_before_the_text_or_its_ids_where_asked(
