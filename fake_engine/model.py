@@ -89,7 +89,8 @@ class Processors:
     """What vLLM's logits processors do to a position's logits before greedy
     sampling, after its raw logprobs are taken: only ``allowed`` tokens are
     kept where set (``allowed_token_ids``), ``masked`` ones are dropped (stop
-    tokens under ``min_tokens``), and ``bias`` is added (``logit_bias``)."""
+    tokens under ``min_tokens``, a bad word's last token), and ``bias`` is
+    added (``logit_bias``)."""
 
     allowed: frozenset[int] | None = None
     masked: frozenset[int] = frozenset()
