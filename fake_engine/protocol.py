@@ -10,6 +10,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
@@ -55,6 +56,23 @@ class RequestError(ValueError):
         self.param = param
         self.err_type = err_type
         self.status = status
+
+
+def _check_in_vocabulary(name: str, token_ids: Iterable[int]) -> None:
+    """vLLM's check that the token ids a request field names are in the
+    vocabulary (``SamplingParams``'s ``_validate_logit_bias`` and its
+    twins).
+
+    Raises:
+        RequestError: vLLM's 400 listing those that are not.
+    """
+    if invalid := [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]:
+        raise vllm_validation_error(
+            f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
+            f"Vocabulary size: {VOCAB_SIZE}",
+            param=name,
+            value=invalid,
+        )
 
 
 def vllm_validation_error(
@@ -316,17 +334,8 @@ class _GenerateRequest(_OpenAIModel):
         Raises:
             RequestError: vLLM's 400 for the first check that fails.
         """
-        for name, token_ids in (
-            ("logit_bias", list(self.sampling_logit_bias)),
-            ("stop_token_ids", self.stop_token_ids or []),
-        ):
-            if invalid := [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]:
-                raise vllm_validation_error(
-                    f"token_id(s) {invalid} in {name} contain out-of-vocab "
-                    f"token ids. Vocabulary size: {VOCAB_SIZE}",
-                    param=name,
-                    value=invalid,
-                )
+        _check_in_vocabulary("logit_bias", self.sampling_logit_bias)
+        _check_in_vocabulary("stop_token_ids", self.stop_token_ids or ())
         if (allowed := self.allowed_token_ids) is None:
             return
         if not allowed:
@@ -425,14 +434,7 @@ class _GenerateRequest(_OpenAIModel):
                 param="logprob_token_ids",
                 value=n,
             )
-        invalid = [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]
-        if invalid:
-            raise vllm_validation_error(
-                f"token_id(s) {invalid} in logprob_token_ids contain out-of-vocab "
-                f"token ids. Vocabulary size: {VOCAB_SIZE}",
-                param="logprob_token_ids",
-                value=invalid,
-            )
+        _check_in_vocabulary("logprob_token_ids", token_ids)
 
     @property
     def requested_logprob_token_ids(self) -> tuple[int, ...] | None:
