@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from vllm_client import MODEL_NAME
+from vllm_client import MODEL_NAME, post
 from vllm_servers import EngineSpec, Servers
 
 from fake_engine.config import EngineConfig
@@ -294,10 +294,10 @@ async def test_the_fake_engine_answers_in_vllms_shape(
 async def first_choice(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> dict[str, Any]:
-    async with http.post(url + COMPLETIONS, json=body) as response:
-        assert response.status == 200, await response.text()
-        choice: dict[str, Any] = (await response.json())["choices"][0]
-        return choice
+    status, answer = await post(http, url + COMPLETIONS, body)
+    assert status == 200, answer
+    choice: dict[str, Any] = answer["choices"][0]
+    return choice
 
 
 async def check_stop_rules(http: aiohttp.ClientSession, url: str) -> None:
