@@ -966,6 +966,10 @@ class ResponseBuilder:
     include_usage: bool = False
     echo: str = ""
     echoes: bool = False
+    # An echo without generation (``max_tokens`` 0): the text and logprobs
+    # are the prompt's alone. The one token vLLM samples for it, and drops,
+    # still counts in usage and shows in ``token_ids``.
+    echo_only: bool = False
     system_fingerprint: str | None = None
     # The choice's index: its prompt's times n, plus its own among the n.
     index: int = 0
@@ -1032,7 +1036,7 @@ class ResponseBuilder:
                 "reasoning": None,
             }
         else:
-            choice["text"] = self.echo + text
+            choice["text"] = self.echo + ("" if self.echo_only else text)
         choice["logprobs"] = self._logprobs(token_ids, logprobs, echo=True)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = stop_reason
@@ -1077,6 +1081,8 @@ class ResponseBuilder:
         if self.chat:
             return chat_logprobs(token_ids, logprobs, top, as_ids)
         if echo and self.echoes and self.prompt_logprobs is not None:
+            if self.echo_only:
+                token_ids, logprobs = [], []
             return completion_logprobs(
                 [*self.prompt_token_ids, *token_ids],
                 [*self.prompt_logprobs, *logprobs],
@@ -1127,7 +1133,9 @@ class ResponseBuilder:
         if self.chat:
             choice["delta"] = {"content": text}
         else:
-            choice["text"] = (self.echo if first else "") + text
+            choice["text"] = (self.echo if first else "") + (
+                "" if self.echo_only else text
+            )
         choice["logprobs"] = self._logprobs(
             token_ids, logprobs, echo=first, text_offset=text_offset
         )

@@ -191,11 +191,15 @@ class EngineServer:
             body.check_supported()
             self._check_model(body.model)
             self._check_output_budget(body.max_tokens, "max_tokens")
+            # An echo without generation samples one token, as vLLM's
+            # CompletionRequest asks, and answers with the prompt alone.
+            echo_only = bool(body.echo) and body.max_tokens == 0
+            requested = 1 if echo_only else body.max_tokens
             prompts = [
                 (
                     ids,
                     self._max_tokens(
-                        len(ids), body.max_tokens, body.min_tokens, from_text=from_text
+                        len(ids), requested, body.min_tokens, from_text=from_text
                     ),
                 )
                 for ids, from_text in self._completion_prompts(body.prompt)
@@ -226,6 +230,7 @@ class EngineServer:
                         prompt_ids,
                         echo=echo,
                         echoes=bool(body.echo),
+                        echo_only=echo_only,
                         index=index * body.num_choices,
                     ),
                 )
@@ -568,6 +573,7 @@ class EngineServer:
         *,
         echo: str = "",
         echoes: bool = False,
+        echo_only: bool = False,
         index: int = 0,
     ) -> ResponseBuilder:
         """The builder of a choice (``index``) of the response, in the
@@ -585,6 +591,7 @@ class EngineServer:
             include_usage=body.include_usage,
             echo=echo,
             echoes=echoes,
+            echo_only=echo_only,
             system_fingerprint=self.system_fingerprint,
             index=index,
             logprobs=body.num_output_top_logprobs,

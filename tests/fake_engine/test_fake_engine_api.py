@@ -391,6 +391,29 @@ async def test_an_echo_stream_carries_the_prompts_ids_in_its_first_chunk(
     assert streamed_text(events).startswith("Hi")
 
 
+async def test_an_echo_without_generation_answers_with_the_prompt_alone(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # As vLLM 0.32's CompletionRequest: max_tokens 0 with echo samples one
+    # token, which counts in usage and token_ids but not in the text or the
+    # logprobs, those of the prompt.
+    body = completion_body(prompt=[72, 105], max_tokens=0, echo=True)
+    _, answer = await post(session, url + COMPLETIONS, {**body, "logprobs": 1})
+    (choice,) = answer["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("Hi", "length")
+    assert choice["logprobs"]["tokens"] == ["H", "i"]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert answer["usage"]["completion_tokens"] == 1
+    _, ids = await post(session, url + COMPLETIONS, {**body, "return_token_ids": True})
+    (choice,) = ids["choices"]
+    assert (choice["text"], choice["prompt_token_ids"]) == ("", [72, 105])
+    assert len(choice["token_ids"]) == 1
+    _, events = await stream(session, url + COMPLETIONS, {**body, "stream": True})
+    (chunk,) = [e["choices"][0] for e in events[:-1]]
+    assert (chunk["text"], chunk["finish_reason"]) == ("Hi", "length")
+    assert chunk["prompt_token_ids"] == [72, 105]
+
+
 async def test_unknown_fields_are_accepted_with_a_warning(
     session: aiohttp.ClientSession, url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

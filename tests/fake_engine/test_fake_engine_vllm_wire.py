@@ -128,6 +128,14 @@ async def test_min_tokens_may_take_all_the_room_left(
             "min_tokens must be less than or equal to max_tokens=2, got 3.",
             id="min-tokens-above-max-tokens",
         ),
+        # An echo without generation samples one token (CompletionRequest's
+        # to_sampling_params), which min_tokens is checked against.
+        pytest.param(
+            {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2},
+            None,
+            "min_tokens must be less than or equal to max_tokens=1, got 2.",
+            id="min-tokens-above-an-echo-without-generation",
+        ),
         pytest.param(
             {"prompt": [1, 300]},
             "prompt",

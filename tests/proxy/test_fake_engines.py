@@ -669,3 +669,38 @@ async def test_a_beam_search_through_the_proxy_equals_a_monolithic_engines(
     assert _choice_texts(through, stream) == want
     assert len(set(want.values())) == 2
     assert sent == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("fields", [{}, {"logprobs": 1}], ids=["text", "logprobs"])
+async def test_an_echo_without_generation_through_the_proxy_equals_a_monolithic_engine(
+    fields: dict[str, Any], stream: bool
+):
+    # vLLM answers echo with max_tokens 0 with the prompt alone (it samples
+    # one token and drops it). The proxy takes it as vLLM does: prefilled
+    # and loaded, or, with logprobs (which are the prompt's), run on the
+    # decode alone.
+    payload = {
+        **body("/v1/completions", PROMPTS[6], stream),
+        "echo": True,
+        "max_tokens": 0,
+        **fields,
+    }
+    alone, through, sent = await alone_and_through_the_proxy("/v1/completions", payload)
+    want, got = (
+        _events(raw) if stream else [msgspec.json.decode(raw)]
+        for raw in (alone, through)
+    )
+    assert [e["choices"] for e in got] == [e["choices"] for e in want]
+    assert [e.get("usage") for e in got] == [e.get("usage") for e in want]
+    assert _choice_texts(alone, stream) == {0: PROMPTS[6]}
+    assert sent == (0 if fields else 1)
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    """A stream's events, decoded, ``[DONE]`` left out."""
+    return [
+        msgspec.json.decode(data)
+        for event in raw.decode().split("\n\n")
+        if (data := event.removeprefix("data: ")) and data != "[DONE]"
+    ]

@@ -70,6 +70,20 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"echo": True, "return_token_ids": True},
     ),
     "completion-stream-echo": (COMPLETIONS, {"stream": True, "echo": True}),
+    # Echoes without generation: the prompt alone, after one token sampled.
+    "completion-echo-without-generation": (
+        COMPLETIONS,
+        {"echo": True, "max_tokens": 0, "logprobs": 1, "return_token_ids": True},
+    ),
+    "completion-stream-echo-without-generation": (
+        COMPLETIONS,
+        {
+            "echo": True,
+            "max_tokens": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
     # Several choices, several prompts: a request of each runs as several.
     "completion-choices": (COMPLETIONS, SAMPLED_PAIR),
     "completion-stream-choices": (
