@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -34,6 +34,13 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 # Temperatures below it sample greedily (vLLM's SamplingParams).
 _SAMPLING_EPS = 1e-5
+# vLLM's VLLM_MAX_STOP_STRINGS and VLLM_MAX_COMPLETION_PROMPTS, at their
+# defaults.
+MAX_STOP_STRINGS = 4
+MAX_COMPLETION_PROMPTS = 1024
+# vLLM's limits on a cache salt (validate_cache_salt).
+_MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 
 
 def random_uuid() -> str:
@@ -146,6 +153,27 @@ def _check_stream_options(data: Any) -> Any:
     return data
 
 
+def _check_cache_salt(data: Any) -> Any:
+    """vLLM's ``validate_cache_salt``: a salt, where given, is a short
+    non-empty string without a separator of the prefix cache's keys."""
+    if not isinstance(data, dict) or (salt := data.get("cache_salt")) is None:
+        return data
+    if not isinstance(salt, str) or not salt:
+        raise vllm_validation_error(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt",
+        )
+    if len(salt) > _MAX_CACHE_SALT_LENGTH or not _CACHE_SALT_FORBIDDEN_CHARS.isdisjoint(
+        salt
+    ):
+        raise vllm_validation_error(
+            "Parameter 'cache_salt' must be at most 128 characters and must "
+            "not contain '@', '/', '\\\\', or NUL.",
+            param="cache_salt",
+        )
+    return data
+
+
 def _check_logprobs(data: dict[str, Any], count: str) -> None:
     """vLLM's checks of ``prompt_logprobs`` and of the top logprobs asked
     per token (``count``: completions' ``logprobs``, chat's
@@ -242,7 +270,7 @@ class _GenerateRequest(_OpenAIModel):
     vLLM's ranges (``check_supported``)."""
 
     model: str | None = None
-    stop: str | list[str] | None = []
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = []
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Tokens a streamed chunk batches (vLLM's per-request stream_interval).
@@ -276,11 +304,21 @@ class _GenerateRequest(_OpenAIModel):
     priority: int = 0
     request_id: str = Field(default_factory=random_uuid)
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    # The prompt's tokens kept (-1: as many as the context takes), from its
+    # end unless ``truncation_side`` is "right".
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _stream_options(cls, data: Any) -> Any:
         return _check_stream_options(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cache_salt(cls, data: Any) -> Any:
+        return _check_cache_salt(data)
 
     def check_supported(self) -> None:
         """vLLM's checks of the values it validates once the body parses, and
@@ -552,6 +590,7 @@ class CompletionRequest(_GenerateRequest):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     suffix: str | None = None
+    prompt_embeds: bytes | list[bytes] | None = None
 
     @property
     def num_output_top_logprobs(self) -> int | None:
@@ -584,13 +623,63 @@ class CompletionRequest(_GenerateRequest):
         _check_logprobs(data, "logprobs")
         if data.get("max_tokens") is None:
             data = {**data, "max_tokens": 16}
-        prompt = data.get("prompt")
-        if prompt is None or prompt == "" or prompt == []:
+        prompt, embeds = data.get("prompt"), data.get("prompt_embeds")
+        if prompt in (None, "") and embeds in (None, []):
             raise vllm_validation_error(
                 "Either prompt or prompt_embeds must be provided and non-empty.",
                 param="prompt",
             )
+        if (
+            isinstance(prompt, list)
+            and len(prompt) > MAX_COMPLETION_PROMPTS
+            and not all(isinstance(one, int) for one in prompt)
+        ):
+            raise vllm_validation_error(
+                f"prompt list length {len(prompt)} exceeds the maximum allowed "
+                f"count of {MAX_COMPLETION_PROMPTS}. To increase this limit, set "
+                "the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+                param="prompt",
+            )
         return data
+
+    def check_renderable(self) -> None:
+        """vLLM's refusals as its renderer takes the prompt, in their order:
+        a suffix (this model has no fill-in-the-middle rendering) and
+        prompt embeddings (a server without ``--enable-prompt-embeds``).
+
+        Raises:
+            RequestError: vLLM's 400 for the first.
+        """
+        if self.suffix is not None:
+            if self.echo:
+                raise RequestError("Echo is unsupported with suffix.", param="suffix")
+            if self.prompt_embeds is not None:
+                reason = "suffix is not supported with prompt_embeds"
+            elif self.truncate_prompt_tokens is not None:
+                reason = "suffix is not supported with truncate_prompt_tokens"
+            elif isinstance(self.prompt, str) or (
+                isinstance(self.prompt, list)
+                and all(isinstance(one, str) for one in self.prompt)
+            ):
+                reason = (
+                    "suffix is only supported for models with FIM completion rendering"
+                )
+            else:
+                reason = (
+                    "suffix requires text prompt input for FIM completion rendering"
+                )
+            raise RequestError(reason, param="suffix")
+        if self.prompt_embeds is None:
+            return
+        if self.echo:
+            raise RequestError("Echo is unsupported with prompt embeds.")
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not compatible with prompt embeds.")
+        if self.prompt_embeds:
+            raise vllm_validation_error(
+                "You must set `--enable-prompt-embeds` to input `prompt_embeds`.",
+                param="prompt_embeds",
+            )
 
 
 # vLLM's ``TopLogprobsParam``: chat's ``top_logprobs``, null read as 0.

@@ -93,6 +93,8 @@ def _sse(body: Any) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+# vLLM's input processor's refusal of a prompt of no tokens.
+_EMPTY_PROMPT = "The decoder prompt cannot be empty"
 
 
 def _fingerprint(config: EngineConfig) -> str:
@@ -190,7 +192,9 @@ class EngineServer:
             body = parse_request(CompletionRequest, await self._read_json(request))
             body.check_supported()
             self._check_model(body.model)
+            body.check_renderable()
             self._check_output_budget(body.max_tokens, "max_tokens")
+            self._check_truncation(body.truncate_prompt_tokens)
             # An echo without generation samples one token, as vLLM's
             # CompletionRequest asks, and answers with the prompt alone.
             echo_only = bool(body.echo) and body.max_tokens == 0
@@ -202,7 +206,7 @@ class EngineServer:
                         len(ids), requested, body.min_tokens, from_text=from_text
                     ),
                 )
-                for ids, from_text in self._completion_prompts(body.prompt)
+                for ids, from_text in self._completion_prompts(body)
             ]
         except RequestError as e:
             return error_response(e)
@@ -259,6 +263,7 @@ class EngineServer:
             )
             requested = getattr(body, budget_param)
             self._check_output_budget(requested, budget_param)
+            self._check_truncation(body.truncate_prompt_tokens)
             try:
                 prompt = apply_chat_template(
                     [m.model_dump(exclude_none=True) for m in body.messages],
@@ -267,7 +272,9 @@ class EngineServer:
                 )
             except ChatTemplateError as e:
                 raise RequestError(str(e), param="messages") from None
-            prompt_ids = encode(prompt)
+            prompt_ids = self._truncated(encode(prompt), body)
+            if not prompt_ids:
+                raise RequestError(_EMPTY_PROMPT)
             max_tokens = self._max_tokens(
                 len(prompt_ids), requested, body.min_tokens, from_text=True
             )
@@ -429,39 +436,75 @@ class EngineServer:
                 param="model",
             )
 
-    @staticmethod
-    def _completion_prompts(prompt: Any) -> list[tuple[list[int], bool]]:
-        """Token ids of a completion's prompts, each with whether it was text.
+    def _completion_prompts(
+        self, body: CompletionRequest
+    ) -> list[tuple[list[int], bool]]:
+        """Token ids of a completion's prompts, truncated where asked, each
+        with whether it was text.
 
         Raises:
-            RequestError: For an empty prompt or ids outside the vocabulary.
+            RequestError: For no prompt, an empty one or ids outside the
+                vocabulary.
 
         """
+        # Not None: without one, prompt_embeds were refused.
+        prompt: Any = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
         else:
             prompts = list(prompt)
+        if not prompts:
+            raise RequestError("You must pass at least one prompt")
         out = []
         for one in prompts:
-            if isinstance(one, str):
-                ids = encode(one)
-                if not ids:  # vLLM's input processor refuses it before scheduling
-                    raise RequestError("The decoder prompt cannot be empty")
-                out.append((ids, True))
-                continue
-            ids = list(one)
-            if not ids:
-                raise RequestError(
-                    "Either prompt or prompt_embeds must be provided and non-empty.",
-                    param="prompt",
-                )
-            if (largest := max(ids)) >= VOCAB_SIZE:
+            from_text = isinstance(one, str)
+            ids = self._truncated(
+                encode(one) if isinstance(one, str) else list(one), body
+            )
+            if not ids:  # vLLM's input processor refuses it before scheduling
+                raise RequestError(_EMPTY_PROMPT)
+            if not from_text and (largest := max(ids)) >= VOCAB_SIZE:
                 # vLLM's Renderer.validate_token_ids reports the largest id.
                 raise vllm_validation_error(
                     f"Token id {largest} is out of vocabulary", param="prompt"
                 )
-            out.append((ids, False))
+            out.append((ids, from_text))
         return out
+
+    def _check_truncation(self, truncate_prompt_tokens: int | None) -> None:
+        """Refuse a truncation longer than the context, as vLLM's
+        ``TokenizeParams`` does.
+
+        Raises:
+            RequestError: If ``truncate_prompt_tokens`` exceeds max_model_len.
+        """
+        max_model_len = self.engine.config.max_model_len
+        if (
+            truncate_prompt_tokens is not None
+            and truncate_prompt_tokens > max_model_len
+        ):
+            raise vllm_validation_error(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} cannot be greater "
+                f"than max_model_len = {max_model_len}. Please request a smaller "
+                "truncation size.",
+                param="truncate_prompt_tokens",
+                value=truncate_prompt_tokens,
+            )
+
+    def _truncated(
+        self, ids: list[int], body: CompletionRequest | ChatCompletionRequest
+    ) -> list[int]:
+        """A prompt's ids cut to ``truncate_prompt_tokens``, from the left
+        (its end kept) unless ``truncation_side`` is "right"; -1 keeps one
+        token less than the context, as vLLM's ``max_truncation_tokens``."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep < 0:
+            keep = self.engine.config.max_model_len - 1
+        if body.truncation_side == "right":
+            return ids[:keep]
+        return ids[len(ids) - keep :] if keep < len(ids) else ids
 
     def _check_output_budget(self, requested: int | None, param: str) -> None:
         """Refuse an output budget above max_model_len, as vLLM's

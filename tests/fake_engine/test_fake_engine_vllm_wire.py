@@ -274,6 +274,56 @@ async def test_min_tokens_may_take_all_the_room_left(
             f"(parameter=bad_words, value={[str(i) for i in range(129)]})",
             id="too-many-bad-words",
         ),
+        # generate/base/protocol.py validate_cache_salt.
+        pytest.param(
+            {"prompt": "x", "cache_salt": ""},
+            "cache_salt",
+            "Parameter 'cache_salt' must be a non-empty string if provided. "
+            "(parameter=cache_salt)",
+            id="empty-cache-salt",
+        ),
+        pytest.param(
+            {"prompt": "x", "cache_salt": "a/b"},
+            "cache_salt",
+            "Parameter 'cache_salt' must be at most 128 characters and must not "
+            "contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)",
+            id="cache-salt-with-a-slash",
+        ),
+        pytest.param(
+            {"prompt": "x", "cache_salt": "a" * 129},
+            "cache_salt",
+            "Parameter 'cache_salt' must be at most 128 characters and must not "
+            "contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)",
+            id="long-cache-salt",
+        ),
+        # CompletionRequest.validate_prompt_list_length (a list of ids is one
+        # prompt).
+        pytest.param(
+            {"prompt": ["x"] * 1025},
+            "prompt",
+            "prompt list length 1025 exceeds the maximum allowed count of 1024. "
+            "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+            "environment variable. (parameter=prompt)",
+            id="too-many-prompts",
+        ),
+        # renderers/params.py TokenizeParams: against the whole context.
+        pytest.param(
+            {"prompt": "x", "truncate_prompt_tokens": MAX_MODEL_LEN + 1},
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens={MAX_MODEL_LEN + 1} cannot be greater than "
+            f"max_model_len = {MAX_MODEL_LEN}. Please request a smaller "
+            f"truncation size. (parameter=truncate_prompt_tokens, "
+            f"value={MAX_MODEL_LEN + 1})",
+            id="truncation-past-the-context",
+        ),
+        # A server without --enable-prompt-embeds (embed_utils).
+        pytest.param(
+            {"prompt_embeds": "AAAA"},
+            "prompt_embeds",
+            "You must set `--enable-prompt-embeds` to input `prompt_embeds`. "
+            "(parameter=prompt_embeds)",
+            id="prompt-embeds",
+        ),
     ],
 )
 async def test_vllm_validation_error_names_its_parameter_in_the_message(
@@ -286,6 +336,126 @@ async def test_vllm_validation_error_names_its_parameter_in_the_message(
     status, answer = await post(session, url + COMPLETIONS, body)
     assert status == 400
     assert vllm_error(answer, "BadRequestError", param) == message
+
+
+# renderers/online_renderer.py render_completion, and the input processor's
+# refusal of an empty prompt: plain errors, not VLLMValidationError.
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        pytest.param(
+            {"prompt": "x", "suffix": ""},
+            "suffix",
+            "suffix is only supported for models with FIM completion rendering",
+            id="suffix",
+        ),
+        pytest.param(
+            {"prompt": [65, 66], "suffix": "x"},
+            "suffix",
+            "suffix requires text prompt input for FIM completion rendering",
+            id="suffix-of-token-ids",
+        ),
+        pytest.param(
+            {"prompt": "x", "suffix": "x", "echo": True},
+            "suffix",
+            "Echo is unsupported with suffix.",
+            id="suffix-with-echo",
+        ),
+        pytest.param(
+            {"prompt": "x", "suffix": "x", "truncate_prompt_tokens": 1},
+            "suffix",
+            "suffix is not supported with truncate_prompt_tokens",
+            id="suffix-with-truncation",
+        ),
+        pytest.param(
+            {"prompt": "x", "prompt_embeds": "AAAA", "echo": True},
+            None,
+            "Echo is unsupported with prompt embeds.",
+            id="prompt-embeds-with-echo",
+        ),
+        pytest.param(
+            {"prompt": []}, None, "You must pass at least one prompt", id="no-prompts"
+        ),
+        pytest.param(
+            {"prompt": [[]]},
+            None,
+            "The decoder prompt cannot be empty",
+            id="no-token-ids",
+        ),
+        pytest.param(
+            {"prompt": "abc", "truncate_prompt_tokens": 0},
+            None,
+            "The decoder prompt cannot be empty",
+            id="truncated-to-nothing",
+        ),
+    ],
+)
+async def test_the_renderers_refusals_name_their_parameter_apart(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    param: str | None,
+    message: str,
+) -> None:
+    status, answer = await post(session, url + COMPLETIONS, body)
+    assert status == 400
+    assert vllm_error(answer, "BadRequestError", param) == message
+
+
+# A prompt's ids as vLLM truncates them: its end kept unless from the right;
+# -1 leaves one token of the context for the output.
+@pytest.mark.parametrize(
+    ("fields", "kept"),
+    [
+        ({"truncate_prompt_tokens": 3}, [67, 68, 69]),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, [65, 66, 67]),
+        ({"truncate_prompt_tokens": 9}, [65, 66, 67, 68, 69]),
+        ({"truncate_prompt_tokens": -1}, [65, 66, 67, 68, 69]),
+    ],
+    ids=["left", "right", "longer-than-the-prompt", "the-context"],
+)
+async def test_a_truncated_prompt_keeps_the_tokens_vllm_keeps(
+    session: aiohttp.ClientSession, url: str, fields: dict[str, Any], kept: list[int]
+) -> None:
+    body = completion_body(prompt=[65, 66, 67, 68, 69], return_token_ids=True)
+    status, answer = await post(session, url + COMPLETIONS, {**body, **fields})
+    assert status == 200
+    assert answer["choices"][0]["prompt_token_ids"] == kept
+    assert answer["usage"]["prompt_tokens"] == len(kept)
+    long_body = completion_body(prompt=[65] * MAX_MODEL_LEN, truncate_prompt_tokens=-1)
+    status, answer = await post(session, url + COMPLETIONS, long_body)
+    assert (status, answer["usage"]["prompt_tokens"]) == (200, MAX_MODEL_LEN - 1)
+    _, chat = await post(
+        session, url + CHAT, chat_body(truncate_prompt_tokens=3, return_token_ids=True)
+    )
+    assert len(chat["prompt_token_ids"]) == 3
+
+
+# FastAPI's schema errors of vLLM's limits: at most four stop strings
+# (VLLM_MAX_STOP_STRINGS), a truncation of -1 or more.
+async def test_vllms_schema_limits_are_refused_as_validation_errors(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    status, answer = await post(
+        session, url + CHAT, chat_body(stop=["a", "b", "c", "d", "e"])
+    )
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body.stop") == (
+        "2 validation errors:\n  {'type': 'string_type', 'loc': 'body.stop', "
+        "'msg': 'Input should be a valid string', 'input': '<list of 5 items>'}\n"
+        "  {'type': 'too_long', 'loc': 'body.stop', 'msg': 'List should have at "
+        "most 4 items after validation, not 5', 'input': '<list of 5 items>', "
+        "'ctx': {'field_type': 'List', 'max_length': 4, 'actual_length': 5}}"
+    )
+    status, answer = await post(
+        session, url + COMPLETIONS, completion_body(truncate_prompt_tokens=-2)
+    )
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body.truncate_prompt_tokens") == (
+        "1 validation error:\n  {'type': 'greater_than_equal', 'loc': "
+        "'body.truncate_prompt_tokens', 'msg': 'Input should be greater than or "
+        "equal to -1', 'input': '-2', 'ctx': {'ge': -1}}"
+    )
 
 
 # vllm/entrypoints/serve/exception_handling/handlers/validation.py
@@ -511,6 +681,16 @@ async def test_a_validation_error_lists_ten_errors_and_counts_the_rest(
             id="stream-prompt-logprobs-0",
         ),
         pytest.param(CHAT, {"top_logprobs": 0}, id="top-logprobs-0-without-logprobs"),
+        pytest.param(CHAT, {"stop": ["a", "b", "c", "d"]}, id="four-stop-strings"),
+        pytest.param(COMPLETIONS, {"cache_salt": "a" * 128}, id="cache-salt-of-128"),
+        pytest.param(COMPLETIONS, {"prompt": ["x"] * 1024}, id="1024-prompts"),
+        pytest.param(COMPLETIONS, {"suffix": None}, id="null-suffix"),
+        pytest.param(COMPLETIONS, {"prompt_embeds": []}, id="no-prompt-embeds"),
+        pytest.param(
+            COMPLETIONS,
+            {"truncate_prompt_tokens": MAX_MODEL_LEN},
+            id="truncation-to-the-context",
+        ),
     ],
 )
 async def test_requests_at_vllms_limits_are_answered(

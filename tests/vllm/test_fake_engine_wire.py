@@ -219,6 +219,18 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         COMPLETIONS,
         {"allowed_token_ids": [5, OUT_OF_VOCAB]},
     ),
+    "suffix": (COMPLETIONS, {"suffix": "x"}),
+    "prompt-embeds": (COMPLETIONS, {"prompt_embeds": "AAAA"}),
+    "no-prompts": (COMPLETIONS, {"prompt": []}),
+    "too-many-prompts": (COMPLETIONS, {"prompt": ["x"] * 1025}),
+    "empty-cache-salt": (CHAT, {"cache_salt": ""}),
+    "five-stop-strings": (COMPLETIONS, {"stop": ["a", "b", "c", "d", "e"]}),
+    "truncation-past-the-context": (CHAT, {"truncate_prompt_tokens": 600}),
+    "truncation-below-minus-one": (COMPLETIONS, {"truncate_prompt_tokens": -2}),
+    "truncated-to-nothing": (COMPLETIONS, {"truncate_prompt_tokens": 0}),
+    # Taken.
+    "truncated": (COMPLETIONS, {"truncate_prompt_tokens": 3, "return_token_ids": True}),
+    "cache-salt": (CHAT, {"cache_salt": "abc"}),
 }
 
 
