@@ -686,6 +686,94 @@ class CompletionRequest(_GenerateRequest):
 TopLogprobsParam = Annotated[int, BeforeValidator(lambda v: 0 if v is None else v)]
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function, as vLLM's ``FunctionDefinition`` reads it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(BaseModel):
+    """vLLM's ``ChatCompletionToolsParam``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+_TOOL_CHOICE_USAGE = (
+    'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+)
+
+
+def _check_tool_usage(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``check_tool_usage``, in its order and words: tools with no
+    ``tool_choice`` mean "auto", and a choice needs tools, a known value or
+    one of the tools by name.
+
+    Raises:
+        RequestError: vLLM's 400 for the first misuse.
+    """
+    if data.get("tools") == []:
+        raise vllm_validation_error(
+            "`tools` must not be an empty array. Either provide at least one "
+            "tool or omit the field entirely.",
+            param="tools",
+        )
+    if "tool_choice" not in data and data.get("tools"):
+        data = {**data, "tool_choice": "auto"}
+    choice = data.get("tool_choice")
+    if choice is None or choice == "none":
+        return data
+    tools = data.get("tools")
+    if tools is None:
+        raise vllm_validation_error(
+            "When using `tool_choice`, `tools` must be set.", param="tool_choice"
+        )
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise vllm_validation_error(
+            f"Invalid value for `tool_choice`: {choice}! Only named tools, "
+            '"none", "auto" or "required" are supported.',
+            param="tool_choice",
+        )
+    if not isinstance(choice, dict):
+        return data
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise vllm_validation_error(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! "
+            f"{_TOOL_CHOICE_USAGE}",
+            param="tool_choice.function",
+        )
+    if "name" not in function:
+        raise vllm_validation_error(
+            f"Expected field `name` in `function` in `tool_choice`! "
+            f"{_TOOL_CHOICE_USAGE}",
+            param="tool_choice.function.name",
+        )
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise vllm_validation_error(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+            f"{_TOOL_CHOICE_USAGE}",
+            param="tool_choice.function.name",
+        )
+    if not any(
+        isinstance(tool, dict)
+        and isinstance(tool.get("function"), dict)
+        and tool["function"].get("name") == name
+        for tool in tools
+    ):
+        raise vllm_validation_error(
+            "The tool specified in `tool_choice` does not match any of the "
+            "specified `tools`",
+            param="tool_choice",
+        )
+    return data
+
+
 class ChatMessage(_OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -704,8 +792,11 @@ class ChatCompletionRequest(_GenerateRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # Checked by _check_tool_usage before the types.
     tool_choice: str | dict[str, Any] | None = "none"
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def num_output_top_logprobs(self) -> int | None:
@@ -716,6 +807,59 @@ class ChatCompletionRequest(_GenerateRequest):
         if self.prompt_logprobs is None and self.echo:
             return self.top_logprobs
         return self.prompt_logprobs
+
+    def check_renderable(self) -> None:
+        """vLLM's refusals as its renderer takes the conversation, on a
+        server started without tool or chat template options: a tool
+        choice (no tool parser) and a chat template in the request.
+
+        Raises:
+            RequestError: vLLM's 400 for the first.
+        """
+        choice = self.tool_choice
+        if choice == "auto":
+            raise RequestError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
+        if choice is not None and choice != "none":
+            described = (
+                f'function "{choice["function"]["name"]}"'
+                if isinstance(choice, dict)
+                else f'"{choice}"'
+            )
+            raise RequestError(
+                f"tool_choice={described} requires --tool-call-parser to be set"
+            )
+        kwargs = self.chat_template_kwargs or {}
+        if self.chat_template is not None or kwargs.get("chat_template") is not None:
+            raise RequestError(
+                "Chat template is passed with request, but "
+                "--trust-request-chat-template is not set. Refused request with "
+                "untrusted chat template."
+            )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_usage(cls, data: Any) -> Any:
+        return _check_tool_usage(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _generation_prompt(cls, data: Any) -> Any:
+        """vLLM's ``check_generation_prompt``: both set true in the body (the
+        template refuses a continuation beside the default generation
+        prompt, in other words)."""
+        if (
+            isinstance(data, dict)
+            and data.get("continue_final_message")
+            and data.get("add_generation_prompt")
+        ):
+            raise vllm_validation_error(
+                "Cannot set both `continue_final_message` and "
+                "`add_generation_prompt` to True."
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod

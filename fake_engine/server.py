@@ -54,6 +54,7 @@ from fake_engine.request import (
 from fake_engine.tokenizer import (
     VOCAB_SIZE,
     ChatTemplateError,
+    NotMultimodalError,
     apply_chat_template,
     decode,
     encode,
@@ -256,6 +257,7 @@ class EngineServer:
             body = parse_request(ChatCompletionRequest, await self._read_json(request))
             body.check_supported()
             self._check_model(body.model)
+            body.check_renderable()
             budget_param = (
                 "max_completion_tokens"
                 if body.max_completion_tokens is not None
@@ -270,8 +272,12 @@ class EngineServer:
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                 )
+            except NotMultimodalError:
+                raise RequestError(
+                    f"{self.model_name} is not a multimodal model"
+                ) from None
             except ChatTemplateError as e:
-                raise RequestError(str(e), param="messages") from None
+                raise RequestError(str(e)) from None
             prompt_ids = self._truncated(encode(prompt), body)
             if not prompt_ids:
                 raise RequestError(_EMPTY_PROMPT)

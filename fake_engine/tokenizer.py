@@ -12,8 +12,27 @@ VOCAB_SIZE = 257
 EOS_TEXT = "</s>"
 
 
+# Content parts vLLM reads as images, audio or video.
+MULTIMODAL_PART_TYPES = frozenset(
+    {
+        "image_url",
+        "image_pil",
+        "image_embeds",
+        "input_audio",
+        "audio_url",
+        "audio_embeds",
+        "video_url",
+        "video_embeds",
+    }
+)
+
+
 class ChatTemplateError(ValueError):
-    """A chat message the template cannot render."""
+    """A conversation the template cannot render."""
+
+
+class NotMultimodalError(ChatTemplateError):
+    """A message holds an image, audio or video: this model reads text only."""
 
 
 def encode(text: str) -> list[int]:
@@ -40,7 +59,8 @@ def _content_text(content: Any) -> str:
     """The text of a message's content: a string or a list of text parts.
 
     Raises:
-        ChatTemplateError: If the content holds anything but text.
+        NotMultimodalError: If it holds an image, audio or video.
+        ChatTemplateError: If it holds anything else but text.
 
     """
     if content is None:
@@ -52,6 +72,8 @@ def _content_text(content: Any) -> str:
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else part
+                if kind in MULTIMODAL_PART_TYPES:
+                    raise NotMultimodalError(kind)
                 raise ChatTemplateError(
                     f"Unsupported content part type {kind!r}: this model "
                     "accepts text only."
@@ -77,19 +99,31 @@ def apply_chat_template(
     text on their own lines, then the assistant's header.
 
     Raises:
-        ChatTemplateError: If a message has no role or non-text content.
+        NotMultimodalError: If a message holds an image, audio or video.
+        ChatTemplateError: If a message has no role or other non-text
+            content, if there is no message, or if both the generation
+            prompt and the final message's continuation are asked for (in
+            transformers' words, as vLLM answers them).
 
     """
+    texts = [_content_text(message.get("content")) for message in messages]
+    if not messages:
+        raise ChatTemplateError(
+            "Cannot apply chat template to an empty conversation. Provide at "
+            "least one message."
+        )
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError(
-            "Cannot set both `continue_final_message` and `add_generation_prompt`."
+            "continue_final_message and add_generation_prompt are not compatible. "
+            "Use continue_final_message when you want the model to continue the "
+            "final message, and add_generation_prompt when you want to add a "
+            "header that will prompt it to start a new assistant message instead."
         )
     lines = []
-    for i, message in enumerate(messages):
+    for i, (message, text) in enumerate(zip(messages, texts, strict=True)):
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"Message {i} has no role.")
-        text = _content_text(message.get("content"))
         last = i == len(messages) - 1
         if continue_final_message and last:
             lines.append(f"<|{role}|>\n{text}")

@@ -502,7 +502,7 @@ BAD_REQUESTS = [
     pytest.param(
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        "messages",
+        None,
         VLLM,
         id="image-content",
     ),
@@ -515,7 +515,7 @@ async def test_malformed_request_gets_a_400_and_the_engine_keeps_serving(
     url: str,
     path: str,
     body: object,
-    param: str,
+    param: str | None,
     err_type: str,
 ) -> None:
     status, answer = await post(session, url + path, body)

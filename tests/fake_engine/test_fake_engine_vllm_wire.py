@@ -431,6 +431,160 @@ async def test_a_truncated_prompt_keeps_the_tokens_vllm_keeps(
     assert len(chat["prompt_token_ids"]) == 3
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+CONVERSATION = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Yo"},
+]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+# A chat request on a server started without tool, chat template or
+# multimodal options: ChatCompletionRequest.check_tool_usage and
+# check_generation_prompt (VLLMValidationError), then the renderer
+# (render_chat: tool choice, then validate_chat_template), then the
+# messages (a text-only model) and transformers' apply_chat_template.
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        pytest.param(
+            {"tools": []},
+            "tools",
+            "`tools` must not be an empty array. Either provide at least one tool "
+            "or omit the field entirely. (parameter=tools)",
+            id="no-tools",
+        ),
+        pytest.param(
+            {"tool_choice": "auto"},
+            "tool_choice",
+            "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)",
+            id="tool-choice-without-tools",
+        ),
+        pytest.param(
+            {"tools": TOOLS, "tool_choice": "sometimes"},
+            "tool_choice",
+            "Invalid value for `tool_choice`: sometimes! Only named tools, "
+            '"none", "auto" or "required" are supported. (parameter=tool_choice)',
+            id="unknown-tool-choice",
+        ),
+        pytest.param(
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name",
+            "Expected field `name` in `function` in `tool_choice`! Correct usage: "
+            '`{"type": "function", "function": {"name": "my_function"}}` '
+            "(parameter=tool_choice.function.name)",
+            id="named-tool-choice-without-a-name",
+        ),
+        pytest.param(
+            {"tools": TOOLS, "tool_choice": {"function": {"name": "g"}}},
+            "tool_choice",
+            "The tool specified in `tool_choice` does not match any of the "
+            "specified `tools` (parameter=tool_choice)",
+            id="named-tool-choice-of-no-tool",
+        ),
+        # Tools without a choice choose "auto".
+        pytest.param(
+            {"tools": TOOLS},
+            None,
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+            id="tools",
+        ),
+        pytest.param(
+            {"tools": TOOLS, "tool_choice": "required"},
+            None,
+            'tool_choice="required" requires --tool-call-parser to be set',
+            id="required-tool",
+        ),
+        pytest.param(
+            {"tools": TOOLS, "tool_choice": {"function": {"name": "f"}}},
+            None,
+            'tool_choice=function "f" requires --tool-call-parser to be set',
+            id="named-tool",
+        ),
+        pytest.param(
+            {"chat_template_kwargs": {"chat_template": "{{ x }}"}},
+            None,
+            "Chat template is passed with request, but "
+            "--trust-request-chat-template is not set. Refused request with "
+            "untrusted chat template.",
+            id="chat-template",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": [IMAGE]}]},
+            None,
+            "kvguard/fake-model is not a multimodal model",
+            id="image",
+        ),
+        pytest.param(
+            {"messages": []},
+            None,
+            "Cannot apply chat template to an empty conversation. Provide at "
+            "least one message.",
+            id="no-messages",
+        ),
+        pytest.param(
+            {
+                "messages": CONVERSATION,
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            None,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` "
+            "to True.",
+            id="continuation-and-generation-prompt",
+        ),
+        # The generation prompt by default: transformers refuses it.
+        pytest.param(
+            {"messages": CONVERSATION, "continue_final_message": True},
+            None,
+            "continue_final_message and add_generation_prompt are not compatible. "
+            "Use continue_final_message when you want the model to continue the "
+            "final message, and add_generation_prompt when you want to add a "
+            "header that will prompt it to start a new assistant message instead.",
+            id="continuation-beside-the-default-generation-prompt",
+        ),
+    ],
+)
+async def test_a_chat_vllm_could_not_render_is_refused_in_its_words(
+    session: aiohttp.ClientSession,
+    url: str,
+    fields: dict[str, Any],
+    param: str | None,
+    message: str,
+) -> None:
+    status, answer = await post(session, url + CHAT, chat_body(**fields))
+    assert status == 400
+    assert vllm_error(answer, "BadRequestError", param) == message
+
+
+async def test_a_chat_vllm_renders_as_text_is_answered(
+    session: aiohttp.ClientSession, url: str
+) -> None:
+    # Tools are taken where none is to be called, and a continuation
+    # without the generation prompt.
+    for fields in (
+        {"tools": TOOLS, "tool_choice": "none"},
+        {"tools": TOOLS, "tool_choice": None},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {
+            "messages": CONVERSATION,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ):
+        status, answer = await post(session, url + CHAT, chat_body(**fields))
+        assert status == 200, (fields, answer)
+    status, answer = await post(
+        session, url + CHAT, chat_body(tools=[{"type": "function"}])
+    )
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body.tools.0.function") == (
+        "1 validation error:\n  {'type': 'missing', 'loc': 'body.tools.0.function', "
+        "'msg': 'Field required', 'input': '<dict of 1 items>'}"
+    )
+
+
 # FastAPI's schema errors of vLLM's limits: at most four stop strings
 # (VLLM_MAX_STOP_STRINGS), a truncation of -1 or more.
 async def test_vllms_schema_limits_are_refused_as_validation_errors(

@@ -18,6 +18,7 @@ from fake_engine.model import FakeModel
 from fake_engine.tokenizer import (
     EOS_TOKEN_ID,
     ChatTemplateError,
+    NotMultimodalError,
     apply_chat_template,
     decode,
     encode,
@@ -51,8 +52,12 @@ def test_chat_template_renders_roles_and_the_generation_prompt() -> None:
     assert apply_chat_template(messages) == (
         "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     )
-    with pytest.raises(ChatTemplateError, match="part type 'image_url'"):
+    with pytest.raises(NotMultimodalError):
         apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ChatTemplateError, match="part type 'foo'"):
+        apply_chat_template([{"role": "user", "content": [{"type": "foo"}]}])
+    with pytest.raises(ChatTemplateError, match="empty conversation"):
+        apply_chat_template([])
     with pytest.raises(ChatTemplateError, match="has no role"):
         apply_chat_template([{"role": "", "content": "Hi"}])
 

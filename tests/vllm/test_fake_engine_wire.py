@@ -46,6 +46,9 @@ BEAMS = {"use_beam_search": True, "n": 2}
 TOKEN_IDS = {"logprob_token_ids": [100, 200, 100]}
 # The tiny model's EOS (scripts/make_tiny_model.py).
 TINY_EOS_TOKEN_ID = 1
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+CONVERSATION = [*MESSAGES, {"role": "assistant", "content": "Foxes"}]
 # Past both vocabularies (the tiny model's 512, the fake engine's 257).
 OUT_OF_VOCAB = 600
 
@@ -228,8 +231,27 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "truncation-past-the-context": (CHAT, {"truncate_prompt_tokens": 600}),
     "truncation-below-minus-one": (COMPLETIONS, {"truncate_prompt_tokens": -2}),
     "truncated-to-nothing": (COMPLETIONS, {"truncate_prompt_tokens": 0}),
+    "tools": (CHAT, {"tools": TOOLS}),
+    "required-tool": (CHAT, {"tools": TOOLS, "tool_choice": "required"}),
+    "tool-choice-without-tools": (CHAT, {"tool_choice": "auto"}),
+    "chat-template": (CHAT, {"chat_template": "{{ x }}"}),
+    "image": (CHAT, {"messages": [{"role": "user", "content": [IMAGE]}]}),
+    "empty-conversation": (CHAT, {"messages": []}),
+    "continuation-beside-the-generation-prompt": (
+        CHAT,
+        {"messages": CONVERSATION, "continue_final_message": True},
+    ),
     # Taken.
     "truncated": (COMPLETIONS, {"truncate_prompt_tokens": 3, "return_token_ids": True}),
+    "tools-not-to-call": (CHAT, {"tools": TOOLS, "tool_choice": "none"}),
+    "continuation": (
+        CHAT,
+        {
+            "messages": CONVERSATION,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
     "cache-salt": (CHAT, {"cache_salt": "abc"}),
 }
 
