@@ -510,7 +510,7 @@ class EngineServer:
             keep = self.engine.config.max_model_len - 1
         if body.truncation_side == "right":
             return ids[:keep]
-        return ids[len(ids) - keep :] if keep < len(ids) else ids
+        return ids[max(0, len(ids) - keep) :]
 
     def _check_output_budget(self, requested: int | None, param: str) -> None:
         """Refuse an output budget above max_model_len, as vLLM's

@@ -298,6 +298,16 @@ async def test_min_tokens_may_take_all_the_room_left(
         ),
         # CompletionRequest.validate_prompt_list_length (a list of ids is one
         # prompt).
+        # A list of ids is one prompt, whatever its length.
+        pytest.param(
+            {"prompt": [65] * 1025},
+            "input_tokens",
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
+            "However, your prompt contains 1025 input tokens, which exceeds this "
+            "limit even without any output tokens. Please reduce the length of "
+            "the input prompt. (parameter=input_tokens, value=1025)",
+            id="1025-token-ids-are-one-prompt",
+        ),
         pytest.param(
             {"prompt": ["x"] * 1025},
             "prompt",
@@ -437,6 +447,7 @@ CONVERSATION = [
     {"role": "assistant", "content": "Yo"},
 ]
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
 
 
 # A chat request on a server started without tool, chat template or
@@ -517,11 +528,25 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
             id="image",
         ),
         pytest.param(
+            {"messages": [{"role": "user", "content": [AUDIO]}]},
+            None,
+            "kvguard/fake-model is not a multimodal model",
+            id="audio",
+        ),
+        pytest.param(
             {"messages": []},
             None,
             "Cannot apply chat template to an empty conversation. Provide at "
             "least one message.",
             id="no-messages",
+        ),
+        # Before the generation prompt is looked at.
+        pytest.param(
+            {"messages": [], "continue_final_message": True},
+            None,
+            "Cannot apply chat template to an empty conversation. Provide at "
+            "least one message.",
+            id="no-messages-to-continue",
         ),
         pytest.param(
             {
