@@ -296,9 +296,8 @@ async def test_min_tokens_may_take_all_the_room_left(
             "contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)",
             id="long-cache-salt",
         ),
-        # CompletionRequest.validate_prompt_list_length (a list of ids is one
-        # prompt).
-        # A list of ids is one prompt, whatever its length.
+        # CompletionRequest.validate_prompt_list_length: a list of ids is one
+        # prompt, whatever its length (this one too long for the context).
         pytest.param(
             {"prompt": [65] * 1025},
             "input_tokens",
@@ -334,25 +333,9 @@ async def test_min_tokens_may_take_all_the_room_left(
             "(parameter=prompt_embeds)",
             id="prompt-embeds",
         ),
-    ],
-)
-async def test_vllm_validation_error_names_its_parameter_in_the_message(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, Any],
-    param: str | None,
-    message: str,
-) -> None:
-    status, answer = await post(session, url + COMPLETIONS, body)
-    assert status == 400
-    assert vllm_error(answer, "BadRequestError", param) == message
-
-
-# renderers/online_renderer.py render_completion, and the input processor's
-# refusal of an empty prompt: plain errors, not VLLMValidationError.
-@pytest.mark.parametrize(
-    ("body", "param", "message"),
-    [
+        # renderers/online_renderer.py render_completion, and the input
+        # processor's refusal of an empty prompt: plain errors, the
+        # parameter named apart only.
         pytest.param(
             {"prompt": "x", "suffix": ""},
             "suffix",
@@ -400,7 +383,7 @@ async def test_vllm_validation_error_names_its_parameter_in_the_message(
         ),
     ],
 )
-async def test_the_renderers_refusals_name_their_parameter_apart(
+async def test_a_completion_vllm_refuses_is_refused_in_its_words(
     session: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
