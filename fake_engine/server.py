@@ -31,6 +31,7 @@ from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
 from fake_engine.protocol import (
     VALIDATION_ERROR_TYPE,
+    VLLM_VERSION,
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
@@ -152,6 +153,10 @@ class EngineServer:
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
+                # SageMaker's health check, as vLLM serves it.
+                web.get("/ping", self.health),
+                web.post("/ping", self.health),
+                web.get("/version", self.version),
                 web.get("/metrics", self.metrics),
                 web.post("/inference/v1/abort_requests", self.abort_requests),
                 web.get("/kvguard/faults", self.get_faults),
@@ -314,6 +319,9 @@ class EngineServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.engine.stopped else 200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VLLM_VERSION})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(

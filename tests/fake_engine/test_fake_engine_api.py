@@ -432,6 +432,12 @@ async def test_models_and_health(session: aiohttp.ClientSession, url: str) -> No
     assert models["data"][0]["max_model_len"] == 256
     async with session.get(url + "/health") as response:
         assert response.status == 200
+    # vLLM's version and SageMaker's health check.
+    async with session.get(url + "/version") as response:
+        assert await response.json() == {"version": "0.32.0"}
+    for method in ("GET", "POST"):
+        async with session.request(method, url + "/ping") as response:
+            assert response.status == 200
 
 
 def assert_vllm_error(

@@ -339,6 +339,39 @@ async def test_the_fake_engine_answers_in_vllms_shape(
     assert same_answers(got, want), (got, want)
 
 
+# Routes without a body: the model list the proxy reads max_model_len from,
+# the health checks, the version; and routes vLLM does not serve.
+PLAIN_ROUTES = [
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("GET", "/version"),
+    ("GET", "/v1/models/" + MODEL_NAME),
+    ("POST", "/v1/models"),
+    ("GET", "/v1/completions"),
+]
+
+
+async def test_the_fake_engine_serves_vllms_plain_routes_alike(
+    http: aiohttp.ClientSession, servers: Servers, fake: str
+) -> None:
+    await servers.use({"producer": EngineSpec("producer")})
+    answers = {}
+    for name, url in (("vllm", servers.engine("producer").url), ("fake", fake)):
+        for method, path in PLAIN_ROUTES:
+            async with http.request(method, url + path) as response:
+                text = await response.text()
+                kind = response.headers.get("Content-Type")
+                answers[name, method, path] = (
+                    response.status,
+                    kind,
+                    shape(json.loads(text)) if text else text,
+                )
+    for method, path in PLAIN_ROUTES:
+        assert answers["fake", method, path] == answers["vllm", method, path], path
+
+
 async def first_choice(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> dict[str, Any]:
