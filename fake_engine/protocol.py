@@ -44,7 +44,9 @@ _CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 
 
 def random_uuid() -> str:
-    return uuid.uuid4().hex
+    """vLLM's ``random_uuid``: 16 hex characters (a response's id without
+    an ``X-Request-Id``, ``cmpl-`` and these)."""
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
 class RequestError(ValueError):

@@ -5,6 +5,7 @@ error JSON for malformed requests, after which the engine keeps serving."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -119,7 +120,8 @@ async def test_chat_completion_and_its_stream(
 ) -> None:
     status, whole = await post(session, url + CHAT, chat_body())
     assert status == 200
-    assert whole["id"].startswith("chatcmpl-")
+    # vLLM's random_uuid: 16 hex characters.
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", whole["id"])
     assert whole["object"] == "chat.completion"
     message = whole["choices"][0]["message"]
     assert message["role"] == "assistant" and len(message["content"]) == 12
