@@ -672,7 +672,9 @@ class Engine:
 
     def _producer_params(self, request: EngineRequest) -> dict[str, object]:
         """What NixlConnector's ``request_finished`` returns for a producer
-        (pull mode)."""
+        (pull mode), and the prompt tokens vLLM's scheduler adds that the
+        prefill found in its prefix cache (none here: this engine keeps no
+        prefix cache), for the decode to report."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -687,6 +689,7 @@ class Engine:
             "remote_num_tokens": request.num_computed_tokens,
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
         }
 
     def _load_failed(self, request: EngineRequest, reason: str) -> None:

@@ -160,6 +160,8 @@ async def test_prefill_returns_nixl_pull_params_with_checksums(
     assert params["remote_request_id"].startswith("cmpl-req-7-0-")
     assert params["tp_size"] == 2 and params["transfer_mode"] == "pull"
     assert params["remote_num_tokens"] == len(PROMPT)
+    # vLLM's scheduler adds the prefill's prefix-cache hits: none here.
+    assert params["remote_prefill_cached_tokens"] == 0
     # One list of block ids per KV cache group: 70 tokens in blocks of 16.
     assert (
         len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == 5

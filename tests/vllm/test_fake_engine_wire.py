@@ -23,9 +23,10 @@ import pytest_asyncio
 from vllm_client import MODEL_NAME, post
 from vllm_servers import EngineSpec, Servers
 
-from fake_engine.config import EngineConfig
+from fake_engine.config import EngineConfig, Role
 from fake_engine.testing import fake_engines
 from fake_engine.tokenizer import EOS_TOKEN_ID
+from proxy.body import PREFILL_KV_PARAMS
 from tests.support.shapes import filled, shape, sse_data
 
 pytestmark = [
@@ -337,6 +338,32 @@ async def test_the_fake_engine_answers_in_vllms_shape(
     want = await answer(http, servers.engine("producer").url + path, body)
     got = await answer(http, fake + path, body)
     assert same_answers(got, want), (got, want)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fake_producer() -> AsyncIterator[str]:
+    config = EngineConfig(model=MODEL_NAME, max_model_len=512, role=Role.PRODUCER)
+    async with fake_engines(config) as (url,):
+        yield url
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completion", "chat"])
+async def test_a_prefill_answers_in_vllms_shape(
+    http: aiohttp.ClientSession, servers: Servers, fake_producer: str, path: str
+) -> None:
+    # As the proxy asks for it: the kv_transfer_params the decode is given,
+    # checksums included, have the same keys and types.
+    await servers.use({"producer": EngineSpec("producer")})
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": 1,
+        "kv_transfer_params": PREFILL_KV_PARAMS,
+    }
+    body.update({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT})
+    want = await answer(http, servers.engine("producer").url + path, body)
+    got = await answer(http, fake_producer + path, body)
+    assert got == want
+    assert "kv_checksums" in want[1]["kv_transfer_params"]
 
 
 # Routes without a body: the model list the proxy reads max_model_len from,
