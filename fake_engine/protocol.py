@@ -67,6 +67,11 @@ class RequestError(ValueError):
         self.status = status
 
 
+def _out_of_vocabulary(token_ids: Iterable[int]) -> list[int]:
+    """The ids of ``token_ids`` outside the vocabulary, in their order."""
+    return [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]
+
+
 def _check_in_vocabulary(name: str, token_ids: Iterable[int]) -> None:
     """vLLM's check that the token ids a request field names are in the
     vocabulary (``SamplingParams``'s ``_validate_logit_bias`` and its
@@ -75,7 +80,7 @@ def _check_in_vocabulary(name: str, token_ids: Iterable[int]) -> None:
     Raises:
         RequestError: vLLM's 400 listing those that are not.
     """
-    if invalid := [t for t in token_ids if t < 0 or t >= VOCAB_SIZE]:
+    if invalid := _out_of_vocabulary(token_ids):
         raise vllm_validation_error(
             f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
             f"Vocabulary size: {VOCAB_SIZE}",
@@ -384,7 +389,7 @@ class _GenerateRequest(_OpenAIModel):
                 param="allowed_token_ids",
                 value=allowed,
             )
-        if invalid := [t for t in allowed if t < 0 or t >= VOCAB_SIZE]:
+        if invalid := _out_of_vocabulary(allowed):
             raise vllm_validation_error(
                 "allowed_token_ids contains out-of-vocab token id!",
                 param="allowed_token_ids",
