@@ -95,8 +95,6 @@ def _sse(body: Any) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
-# vLLM's input processor's refusal of a prompt of no tokens.
-_EMPTY_PROMPT = "The decoder prompt cannot be empty"
 
 
 def _fingerprint(config: EngineConfig) -> str:
@@ -283,9 +281,7 @@ class EngineServer:
                 ) from None
             except ChatTemplateError as e:
                 raise RequestError(str(e)) from None
-            prompt_ids = self._truncated(encode(prompt), body)
-            if not prompt_ids:
-                raise RequestError(_EMPTY_PROMPT)
+            prompt_ids = self._prompt_ids(encode(prompt), body)
             max_tokens = self._max_tokens(
                 len(prompt_ids), requested, body.min_tokens, from_text=True
             )
@@ -472,11 +468,9 @@ class EngineServer:
         out = []
         for one in prompts:
             from_text = isinstance(one, str)
-            ids = self._truncated(
+            ids = self._prompt_ids(
                 encode(one) if isinstance(one, str) else list(one), body
             )
-            if not ids:  # vLLM's input processor refuses it before scheduling
-                raise RequestError(_EMPTY_PROMPT)
             if not from_text and (largest := max(ids)) >= VOCAB_SIZE:
                 # vLLM's Renderer.validate_token_ids reports the largest id.
                 raise vllm_validation_error(
@@ -505,20 +499,28 @@ class EngineServer:
                 value=truncate_prompt_tokens,
             )
 
-    def _truncated(
+    def _prompt_ids(
         self, ids: list[int], body: CompletionRequest | ChatCompletionRequest
     ) -> list[int]:
         """A prompt's ids cut to ``truncate_prompt_tokens``, from the left
         (its end kept) unless ``truncation_side`` is "right"; -1 keeps one
-        token less than the context, as vLLM's ``max_truncation_tokens``."""
+        token less than the context, as vLLM's ``max_truncation_tokens``.
+
+        Raises:
+            RequestError: If no token is left, as vLLM's input processor
+                refuses an empty prompt before scheduling.
+        """
         keep = body.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        if keep < 0:
-            keep = self.engine.config.max_model_len - 1
-        if body.truncation_side == "right":
-            return ids[:keep]
-        return ids[max(0, len(ids) - keep) :]
+        if keep is not None:
+            if keep < 0:
+                keep = self.engine.config.max_model_len - 1
+            if body.truncation_side == "right":
+                ids = ids[:keep]
+            else:
+                ids = ids[max(0, len(ids) - keep) :]
+        if not ids:
+            raise RequestError("The decoder prompt cannot be empty")
+        return ids
 
     def _check_output_budget(self, requested: int | None, param: str) -> None:
         """Refuse an output budget above max_model_len, as vLLM's
