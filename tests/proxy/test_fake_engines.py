@@ -23,7 +23,7 @@ from fake_engine.config import FaultConfig, FaultKind, FaultSide, Role
 from fake_engine.testing import EngineSpec, fake_engines
 from proxy.testing import RunningProxy, running_proxy
 from tests.support.metrics import fetch_metric, metric
-from tests.support.shapes import shape
+from tests.support.shapes import shape, sse_data
 
 PRODUCER = EngineSpec(role=Role.PRODUCER)
 # Decodes fail loads whose checksums mismatch (KVGuard's fail-closed mode).
@@ -688,19 +688,12 @@ async def test_an_echo_without_generation_through_the_proxy_equals_a_monolithic_
     }
     alone, through, sent = await alone_and_through_the_proxy("/v1/completions", payload)
     want, got = (
-        _events(raw) if stream else [msgspec.json.decode(raw)]
+        [msgspec.json.decode(e) for e in sse_data(raw.decode()) if e != "[DONE]"]
+        if stream
+        else [msgspec.json.decode(raw)]
         for raw in (alone, through)
     )
     assert [e["choices"] for e in got] == [e["choices"] for e in want]
     assert [e.get("usage") for e in got] == [e.get("usage") for e in want]
     assert _choice_texts(alone, stream) == {0: PROMPTS[6]}
     assert sent == (0 if fields else 1)
-
-
-def _events(raw: bytes) -> list[dict[str, Any]]:
-    """A stream's events, decoded, ``[DONE]`` left out."""
-    return [
-        msgspec.json.decode(data)
-        for event in raw.decode().split("\n\n")
-        if (data := event.removeprefix("data: ")) and data != "[DONE]"
-    ]
