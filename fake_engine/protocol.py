@@ -126,14 +126,14 @@ def error_body(
 _warned_fields: set[str] = set()
 
 
-class _OpenAIModel(BaseModel):
+class OpenAIBaseModel(BaseModel):
     """Accepts fields it does not know, and warns of them (once per field,
     then at debug level), as vLLM does."""
 
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _warn_extra_fields(self) -> _OpenAIModel:
+    def _warn_extra_fields(self) -> OpenAIBaseModel:
         extra = set(self.model_extra or ())
         if extra:
             new = extra - _warned_fields
@@ -146,7 +146,7 @@ class _OpenAIModel(BaseModel):
         return self
 
 
-class StreamOptions(_OpenAIModel):
+class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -271,7 +271,7 @@ def _too_many_logprobs(param: str, count: int) -> RequestError:
     )
 
 
-class _GenerateRequest(_OpenAIModel):
+class _GenerateRequest(OpenAIBaseModel):
     """Fields completions and chat share. Sampling fields the deterministic
     model does not use (temperature, top_p, seed, ...) are accepted within
     vLLM's ranges (``check_supported``)."""
@@ -781,7 +781,46 @@ def _check_tool_usage(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-class ChatMessage(_OpenAIModel):
+def check_generation_prompt(data: Any) -> Any:
+    """vLLM's ``check_generation_prompt``: ``continue_final_message`` and
+    ``add_generation_prompt`` both set true in the body (the template
+    refuses a continuation beside the default generation prompt, in other
+    words).
+
+    Raises:
+        RequestError: vLLM's 400 when both are.
+    """
+    if (
+        isinstance(data, dict)
+        and data.get("continue_final_message")
+        and data.get("add_generation_prompt")
+    ):
+        raise vllm_validation_error(
+            "Cannot set both `continue_final_message` and "
+            "`add_generation_prompt` to True."
+        )
+    return data
+
+
+def check_request_chat_template(
+    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+) -> None:
+    """vLLM's refusal of a chat template sent with a request, to a server
+    started without ``--trust-request-chat-template``.
+
+    Raises:
+        RequestError: vLLM's 400 when the request carries one.
+    """
+    kwargs = chat_template_kwargs or {}
+    if chat_template is not None or kwargs.get("chat_template") is not None:
+        raise RequestError(
+            "Chat template is passed with request, but "
+            "--trust-request-chat-template is not set. Refused request with "
+            "untrusted chat template."
+        )
+
+
+class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -838,13 +877,7 @@ class ChatCompletionRequest(_GenerateRequest):
             raise RequestError(
                 f"tool_choice={described} requires --tool-call-parser to be set"
             )
-        kwargs = self.chat_template_kwargs or {}
-        if self.chat_template is not None or kwargs.get("chat_template") is not None:
-            raise RequestError(
-                "Chat template is passed with request, but "
-                "--trust-request-chat-template is not set. Refused request with "
-                "untrusted chat template."
-            )
+        check_request_chat_template(self.chat_template, self.chat_template_kwargs)
 
     @model_validator(mode="before")
     @classmethod
@@ -854,19 +887,7 @@ class ChatCompletionRequest(_GenerateRequest):
     @model_validator(mode="before")
     @classmethod
     def _generation_prompt(cls, data: Any) -> Any:
-        """vLLM's ``check_generation_prompt``: both set true in the body (the
-        template refuses a continuation beside the default generation
-        prompt, in other words)."""
-        if (
-            isinstance(data, dict)
-            and data.get("continue_final_message")
-            and data.get("add_generation_prompt")
-        ):
-            raise vllm_validation_error(
-                "Cannot set both `continue_final_message` and "
-                "`add_generation_prompt` to True."
-            )
-        return data
+        return check_generation_prompt(data)
 
     @model_validator(mode="before")
     @classmethod
@@ -900,7 +921,9 @@ def parse_request(model: type[_Model], data: Any) -> _Model:
 
     """
     try:
-        return model.model_validate(data)
+        # As FastAPI validates a body: a list is "no object to extract
+        # fields from".
+        return model.model_validate(data, from_attributes=True)
     except ValidationError as e:
         raise validation_error(e) from None
 

@@ -636,6 +636,14 @@ async def test_body_failing_fastapi_validation_is_typed_bad_request(
     assert status == 400
     message = vllm_error(answer, "Bad Request", answer["error"]["param"])
     assert "'input': '<dict of 0 items>'" in message
+    # FastAPI validates a body with from_attributes: a list is no object.
+    status, answer = await post(session, url + COMPLETIONS, [PROMPT])
+    assert status == 400
+    assert vllm_error(answer, "Bad Request", "body") == (
+        "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body', "
+        "'msg': 'Input should be a valid dictionary or object to extract fields "
+        "from', 'input': '<list of 1 items>'}"
+    )
     status, answer = await post_bytes(session, url + COMPLETIONS, b"prompt=x")
     assert status == 400
     assert vllm_error(answer, "Bad Request", None) == (
