@@ -36,6 +36,7 @@ from fake_engine.protocol import (
     CompletionRequest,
     RequestError,
     ResponseBuilder,
+    check_request_chat_template,
     error_body,
     json_error,
     models_response,
@@ -51,6 +52,13 @@ from fake_engine.request import (
     RequestOutput,
     RequestStatus,
     SamplingOptions,
+)
+from fake_engine.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    detokenize_response,
+    parse_tokenize_request,
+    tokenize_response,
 )
 from fake_engine.tokenizer import (
     VOCAB_SIZE,
@@ -155,6 +163,8 @@ class EngineServer:
                 web.get("/ping", self.health),
                 web.post("/ping", self.health),
                 web.get("/version", self.version),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/metrics", self.metrics),
                 web.post("/inference/v1/abort_requests", self.abort_requests),
                 web.get("/kvguard/faults", self.get_faults),
@@ -269,19 +279,7 @@ class EngineServer:
             requested = getattr(body, budget_param)
             self._check_output_budget(requested, budget_param)
             self._check_truncation(body.truncate_prompt_tokens)
-            try:
-                prompt = apply_chat_template(
-                    [m.model_dump(exclude_none=True) for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            except NotMultimodalError:
-                raise RequestError(
-                    f"{self.model_name} is not a multimodal model"
-                ) from None
-            except ChatTemplateError as e:
-                raise RequestError(str(e)) from None
-            prompt_ids = self._prompt_ids(encode(prompt), body)
+            prompt_ids = self._prompt_ids(self._render_chat(body), body)
             max_tokens = self._max_tokens(
                 len(prompt_ids), requested, body.min_tokens, from_text=True
             )
@@ -304,6 +302,57 @@ class EngineServer:
         return await self._respond(
             request, choices, len(prompt_ids), bool(body.stream), body.stream_interval
         )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a prompt's ids, or a conversation's as a
+        chat request renders it."""
+        try:
+            body = parse_tokenize_request(await self._read_json(request))
+            self._check_model(body.model)
+            if isinstance(body, TokenizeChatRequest):
+                check_request_chat_template(
+                    body.chat_template, body.chat_template_kwargs
+                )
+                token_ids = self._render_chat(body)
+            else:
+                token_ids = encode(body.prompt)
+        except RequestError as e:
+            return error_response(e)
+        return json_response(
+            tokenize_response(
+                token_ids, self.engine.config.max_model_len, body.return_token_strs
+            )
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        try:
+            body = parse_request(DetokenizeRequest, await self._read_json(request))
+            self._check_model(body.model)
+        except RequestError as e:
+            return error_response(e)
+        return json_response(detokenize_response(body.tokens))
+
+    def _render_chat(
+        self, body: ChatCompletionRequest | TokenizeChatRequest
+    ) -> list[int]:
+        """The ids of a conversation as the chat template renders it.
+
+        Raises:
+            RequestError: vLLM's 400 for content this model cannot read or a
+                conversation the template refuses.
+        """
+        try:
+            prompt = apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+        except NotMultimodalError:
+            raise RequestError(f"{self.model_name} is not a multimodal model") from None
+        except ChatTemplateError as e:
+            raise RequestError(str(e)) from None
+        return encode(prompt)
 
     @property
     def model_name(self) -> str:

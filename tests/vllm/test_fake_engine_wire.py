@@ -399,6 +399,81 @@ async def test_the_fake_engine_serves_vllms_plain_routes_alike(
         assert answers["fake", method, path] == answers["vllm", method, path], path
 
 
+# Bodies of /tokenize and /detokenize, and bodies that are no JSON object:
+# what vLLM takes, answered in its shape (the vocabularies differ, so the
+# ids do), and what it refuses, in its words.
+TOKENIZE_BODIES: dict[str, tuple[str, Any]] = {
+    "prompt": ("/tokenize", {"prompt": PROMPT}),
+    "prompt-model": ("/tokenize", {"model": MODEL_NAME, "prompt": PROMPT}),
+    "prompt-strs": ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}),
+    "prompt-empty": ("/tokenize", {"prompt": ""}),
+    "prompt-past-context": ("/tokenize", {"prompt": "ab " * 600}),
+    "chat": ("/tokenize", {"messages": MESSAGES}),
+    "chat-strs": ("/tokenize", {"messages": MESSAGES, "return_token_strs": True}),
+    "chat-tools": ("/tokenize", {"messages": MESSAGES, "tools": TOOLS}),
+    "chat-continued": (
+        "/tokenize",
+        {
+            "messages": CONVERSATION,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+    "chat-both-flags": (
+        "/tokenize",
+        {
+            "messages": CONVERSATION,
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+    ),
+    "chat-continued-default": (
+        "/tokenize",
+        {"messages": CONVERSATION, "continue_final_message": True},
+    ),
+    "chat-empty": ("/tokenize", {"messages": []}),
+    "chat-template": ("/tokenize", {"messages": MESSAGES, "chat_template": "x"}),
+    "chat-image": (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": [IMAGE]}]},
+    ),
+    "prompt-and-chat": ("/tokenize", {"prompt": "x", "messages": MESSAGES}),
+    "neither": ("/tokenize", {}),
+    "prompt-ids": ("/tokenize", {"prompt": [1, 2]}),
+    "tokenize-unknown-model": ("/tokenize", {"model": "nope", "prompt": "x"}),
+    "tokenize-list": ("/tokenize", [1]),
+    "detokenize": ("/detokenize", {"tokens": [72, 101, 108]}),
+    "detokenize-empty": ("/detokenize", {"tokens": []}),
+    "detokenize-eos": ("/detokenize", {"tokens": [TINY_EOS_TOKEN_ID]}),
+    "detokenize-out-of-vocab": ("/detokenize", {"tokens": [OUT_OF_VOCAB]}),
+    "detokenize-negative": ("/detokenize", {"tokens": [-1]}),
+    "detokenize-past-int64": ("/detokenize", {"tokens": [2**63]}),
+    "detokenize-none": ("/detokenize", {}),
+    "detokenize-unknown-model": ("/detokenize", {"model": "nope", "tokens": [1]}),
+    "completion-list": (COMPLETIONS, [1]),
+    "chat-list": (CHAT, [1]),
+}
+
+
+async def test_the_fake_engine_tokenizes_and_refuses_as_vllm_does(
+    http: aiohttp.ClientSession, servers: Servers, fake: str
+) -> None:
+    await servers.use({"producer": EngineSpec("producer")})
+    vllm_url = servers.engine("producer").url
+    differ = {}
+    for name, (path, body) in TOKENIZE_BODIES.items():
+        answers = []
+        for url in (vllm_url, fake):
+            async with http.post(url + path, json=body) as response:
+                got = await response.json()
+                answers.append(
+                    (response.status, shape(got) if response.status == 200 else got)
+                )
+        if answers[0] != answers[1]:
+            differ[name] = answers
+    assert not differ
+
+
 async def first_choice(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> dict[str, Any]:
