@@ -26,6 +26,11 @@ from pydantic import (
 
 from engine_patch.log import get_logger
 from fake_engine.model import TokenLogprob
+from fake_engine.openai_base import (
+    OpenAIBaseModel,
+    RequestError,
+    vllm_validation_error,
+)
 from fake_engine.tokenizer import VOCAB_SIZE, decode, encode
 
 logger = get_logger(__name__)
@@ -47,24 +52,6 @@ def random_uuid() -> str:
     """vLLM's ``random_uuid``: 16 hex characters (a response's id without
     an ``X-Request-Id``, ``cmpl-`` and these)."""
     return f"{uuid.uuid4().int & (2**64 - 1):016x}"
-
-
-class RequestError(ValueError):
-    """A request vLLM would refuse: the OpenAI error to answer."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        err_type: str = "BadRequestError",
-        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.err_type = err_type
-        self.status = status
 
 
 def _out_of_vocabulary(token_ids: Iterable[int]) -> list[int]:
@@ -89,61 +76,7 @@ def _check_in_vocabulary(name: str, token_ids: Iterable[int]) -> None:
         )
 
 
-def vllm_validation_error(
-    message: str, param: str | None = None, value: Any = None
-) -> RequestError:
-    """vLLM's ``VLLMValidationError`` as its server answers it: the message
-    ends with the parameter and value (``VLLMValidationError.__str__``, which
-    ``create_error_response`` sends)."""
-    extras = []
-    if param is not None:
-        extras.append(f"parameter={param}")
-    if value is not None:
-        extras.append(f"value={value}")
-    text = f"{message} ({', '.join(extras)})" if extras else message
-    return RequestError(text, param=param)
-
-
-def error_body(
-    message: str,
-    err_type: str = "BadRequestError",
-    status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-    param: str | None = None,
-) -> dict[str, Any]:
-    """vLLM's ``ErrorResponse``."""
-    return {
-        "error": {
-            "message": message,
-            "type": err_type,
-            "param": param,
-            "code": int(status),
-        }
-    }
-
-
 # --- Requests ---------------------------------------------------------------
-
-_warned_fields: set[str] = set()
-
-
-class OpenAIBaseModel(BaseModel):
-    """Accepts fields it does not know, and warns of them (once per field,
-    then at debug level), as vLLM does."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _warn_extra_fields(self) -> OpenAIBaseModel:
-        extra = set(self.model_extra or ())
-        if extra:
-            new = extra - _warned_fields
-            _warned_fields.update(new)
-            log = logger.warning if new else logger.debug
-            log(
-                "The following fields were present in the request but ignored: %s",
-                sorted(extra),
-            )
-        return self
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -277,7 +210,9 @@ class _GenerateRequest(OpenAIBaseModel):
     vLLM's ranges (``check_supported``)."""
 
     model: str | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = []
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        default_factory=list
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Tokens a streamed chunk batches (vLLM's per-request stream_interval).
@@ -304,7 +239,7 @@ class _GenerateRequest(OpenAIBaseModel):
     logprob_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = []
+    stop_token_ids: list[int] | None = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None

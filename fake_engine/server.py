@@ -29,15 +29,14 @@ from fake_engine.choices import (
 )
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
+from fake_engine.openai_base import RequestError, error_body, vllm_validation_error
 from fake_engine.protocol import (
     VALIDATION_ERROR_TYPE,
     VLLM_VERSION,
     ChatCompletionRequest,
     CompletionRequest,
-    RequestError,
     ResponseBuilder,
     check_request_chat_template,
-    error_body,
     json_error,
     models_response,
     now,
@@ -45,7 +44,6 @@ from fake_engine.protocol import (
     system_fingerprint,
     usage,
     validation_error,
-    vllm_validation_error,
 )
 from fake_engine.request import (
     EngineRequest,

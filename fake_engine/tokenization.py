@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
+from fake_engine.openai_base import OpenAIBaseModel
 from fake_engine.protocol import (
     ChatMessage,
     ChatTool,
-    OpenAIBaseModel,
     check_generation_prompt,
     validation_error,
 )
