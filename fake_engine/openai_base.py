@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from engine_patch.log import get_logger
 
@@ -84,3 +85,131 @@ class OpenAIBaseModel(BaseModel):
                 sorted(extra),
             )
         return self
+
+
+# pydantic's schema kinds that show in error locations but name no field
+# (vLLM drops the same).
+_INTERNAL_LOC_MARKERS = frozenset(
+    [
+        "function-wrap",
+        "function-after",
+        "function-before",
+        "function-plain",
+        "json-or-python",
+        "lax-or-strict",
+        "chain",
+        "default",
+        "nullable",
+        "tagged-union",
+        "union",
+        "call",
+        "arguments",
+        "is-instance",
+        "is-subclass",
+        "callable",
+        "str",
+        "int",
+        "float",
+        "bool",
+        "bytes",
+        "bytearray",
+        "list",
+        "tuple",
+        "dict",
+        "set",
+        "frozenset",
+        "complex",
+        "none",
+        "nonetype",
+    ]
+)
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """An error location as vLLM's ``param``: ``body.<field path>``."""
+    parts = [
+        str(p)
+        for p in loc
+        if not re.search(r"[\[\]{}()]", str(p))
+        and str(p).lower() not in _INTERNAL_LOC_MARKERS
+    ]
+    return ".".join(["body", *parts])
+
+
+# The type of vLLM's answer to a body FastAPI cannot validate (schema, JSON,
+# media type): validation_exception_handler uses the status phrase, where
+# vLLM's own errors say "BadRequestError".
+VALIDATION_ERROR_TYPE = HTTPStatus.BAD_REQUEST.phrase
+
+
+# vLLM's bounds on a validation error's text (validation.py).
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _truncated(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
+def _summarize(value: Any) -> str:
+    """A validation error's ``input`` as vLLM's ``_summarize_error_input``
+    gives it: containers described, anything else as text, cut at 200
+    characters."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    return _truncated(text, _MAX_ERROR_INPUT_CHARS)
+
+
+def validation_error(exc: ValidationError) -> RequestError:
+    """vLLM's answer to a body that fails validation: "N validation
+    errors:" and each error, typed "Bad Request"; ``param`` from the first
+    error's location. A vLLM error raised while validating is answered as
+    it is (vLLM's ``VLLMValidationError`` is no ``ValueError``: pydantic
+    lets it through to vLLM's own handler)."""
+    errors = exc.errors(include_url=False)
+    for error in errors:
+        ctx_error = (error.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, RequestError):
+            return ctx_error
+    lines = []
+    for error in errors[:10]:
+        # FastAPI's error dict (pydantic's, without "url"), as vLLM's
+        # _format_error renders it.
+        entry: dict[str, Any] = {
+            "type": error["type"],
+            "loc": _clean_loc(tuple(error["loc"])),
+            "msg": error["msg"],
+            "input": _summarize(error.get("input")),
+        }
+        if "ctx" in error:
+            entry["ctx"] = error["ctx"]
+        lines.append(f"  {_truncated(str(entry), _MAX_ERROR_CHARS)}")
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "\n".join(lines)
+    if count > 10:
+        message += f"\n  ...and {count - 10} more {label}"
+    param = _clean_loc(tuple(errors[0]["loc"])) if errors else None
+    return RequestError(message, param=param, err_type=VALIDATION_ERROR_TYPE)
+
+
+def json_error(position: int, reason: str) -> RequestError:
+    """vLLM's (FastAPI's) answer to a body that is not JSON."""
+    entry = {
+        "type": "json_invalid",
+        "loc": f"body.{position}",
+        "msg": "JSON decode error",
+        "input": _summarize({}),
+        "ctx": {"error": reason},
+    }
+    return RequestError(
+        f"1 validation error:\n  {entry}",
+        param=f"body.{position}",
+        err_type=VALIDATION_ERROR_TYPE,
+    )

@@ -29,21 +29,25 @@ from fake_engine.choices import (
 )
 from fake_engine.config import EngineConfig, FaultConfig, FaultKind, FaultSide
 from fake_engine.engine import Engine, EngineStoppedError
-from fake_engine.openai_base import RequestError, error_body, vllm_validation_error
-from fake_engine.protocol import (
+from fake_engine.openai_base import (
     VALIDATION_ERROR_TYPE,
+    RequestError,
+    error_body,
+    json_error,
+    validation_error,
+    vllm_validation_error,
+)
+from fake_engine.protocol import (
     VLLM_VERSION,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseBuilder,
     check_request_chat_template,
-    json_error,
     models_response,
     now,
     parse_request,
     system_fingerprint,
     usage,
-    validation_error,
 )
 from fake_engine.request import (
     EngineRequest,
@@ -220,6 +224,8 @@ class EngineServer:
                 )
                 for ids, from_text in self._completion_prompts(body)
             ]
+            if not body.use_beam_search:
+                body.check_constraint()
         except RequestError as e:
             return error_response(e)
         if body.stream and body.use_beam_search:
@@ -281,6 +287,8 @@ class EngineServer:
             max_tokens = self._max_tokens(
                 len(prompt_ids), requested, body.min_tokens, from_text=True
             )
+            if not body.use_beam_search:
+                body.check_constraint()
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id

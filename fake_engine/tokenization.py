@@ -7,13 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from fake_engine.openai_base import OpenAIBaseModel
-from fake_engine.protocol import (
-    ChatMessage,
-    ChatTool,
-    check_generation_prompt,
-    validation_error,
-)
+from fake_engine.openai_base import OpenAIBaseModel, validation_error
+from fake_engine.protocol import ChatMessage, ChatTool, check_generation_prompt
 from fake_engine.tokenizer import VOCAB_SIZE, decode
 
 

@@ -400,8 +400,8 @@ async def test_the_fake_engine_serves_vllms_plain_routes_alike(
 
 
 # Bodies of /tokenize and /detokenize, and bodies that are no JSON object:
-# what vLLM takes, answered in its shape (the vocabularies differ, so the
-# ids do), and what it refuses, in its words.
+# what vLLM takes is answered in its shape (the vocabularies differ, so the
+# ids do), and what it refuses, in its words; the same below.
 TOKENIZE_BODIES: dict[str, tuple[str, Any]] = {
     "prompt": ("/tokenize", {"prompt": PROMPT}),
     "prompt-model": ("/tokenize", {"model": MODEL_NAME, "prompt": PROMPT}),
@@ -455,13 +455,118 @@ TOKENIZE_BODIES: dict[str, tuple[str, Any]] = {
 }
 
 
-async def test_the_fake_engine_tokenizes_and_refuses_as_vllm_does(
-    http: aiohttp.ClientSession, servers: Servers, fake: str
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# Structured-output fields vLLM checks before compiling a grammar (the fake
+# engine takes what only the grammar backend refuses, and cannot apply a
+# constraint).
+STRUCTURED_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "text": (CHAT, {"response_format": {"type": "text"}}),
+    "json-mode": (CHAT, {"response_format": {"type": "json_object"}}),
+    "json-mode-completion": (COMPLETIONS, {"response_format": {"type": "json_object"}}),
+    "json-schema": (
+        CHAT,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMA},
+            }
+        },
+    ),
+    "json-schema-without-its-object": (
+        CHAT,
+        {"response_format": {"type": "json_schema"}},
+    ),
+    "json-schema-without-a-schema": (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    ),
+    "json-schema-without-a-name": (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+    ),
+    "unknown-format-type": (COMPLETIONS, {"response_format": {"type": "yaml"}}),
+    "format-without-type": (CHAT, {"response_format": {}}),
+    "format-not-an-object": (CHAT, {"response_format": "json"}),
+    "choice": (CHAT, {"structured_outputs": {"choice": ["yes", "no"]}}),
+    "regex": (COMPLETIONS, {"structured_outputs": {"regex": "[a-z]+"}}),
+    "json": (COMPLETIONS, {"structured_outputs": {"json": SCHEMA}}),
+    "two-constraints": (
+        COMPLETIONS,
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+    ),
+    "two-constraints-chat": (
+        CHAT,
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+    ),
+    "a-regex-and-a-grammar": (
+        COMPLETIONS,
+        {"structured_outputs": {"regex": "a", "grammar": "root ::= 'a'"}},
+    ),
+    "no-constraint": (
+        COMPLETIONS,
+        {"structured_outputs": {"disable_any_whitespace": True, "nope": 1}},
+    ),
+    "a-regex-and-json-mode": (
+        CHAT,
+        {
+            "structured_outputs": {"regex": "a"},
+            "response_format": {"type": "json_object"},
+        },
+    ),
+    "text-over-a-regex": (
+        CHAT,
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "text"}},
+    ),
+    "choice-not-a-list": (COMPLETIONS, {"structured_outputs": {"choice": "yes"}}),
+    "constraints-not-an-object": (COMPLETIONS, {"structured_outputs": []}),
+    "constraints-a-string-chat": (CHAT, {"structured_outputs": "json"}),
+    "beside-a-named-tool": (
+        CHAT,
+        {
+            "structured_outputs": {"regex": "a"},
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+    ),
+    "beam-search": (
+        COMPLETIONS,
+        {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+            "use_beam_search": True,
+            "n": 2,
+        },
+    ),
+}
+STRUCTURED_BODIES = {
+    name: (
+        path,
+        {
+            "model": MODEL_NAME,
+            "max_tokens": 4,
+            "temperature": 0,
+            **({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT}),
+            **fields,
+        },
+    )
+    for name, (path, fields) in STRUCTURED_FIELDS.items()
+}
+
+
+@pytest.mark.parametrize(
+    "bodies",
+    [TOKENIZE_BODIES, STRUCTURED_BODIES],
+    ids=["tokenize", "structured-outputs"],
+)
+async def test_the_fake_engine_serves_and_refuses_as_vllm_does(
+    http: aiohttp.ClientSession,
+    servers: Servers,
+    fake: str,
+    bodies: dict[str, tuple[str, Any]],
 ) -> None:
     await servers.use({"producer": EngineSpec("producer")})
     vllm_url = servers.engine("producer").url
     differ = {}
-    for name, (path, body) in TOKENIZE_BODIES.items():
+    for name, (path, body) in bodies.items():
         answers = []
         for url in (vllm_url, fake):
             async with http.post(url + path, json=body) as response:
