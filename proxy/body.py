@@ -129,8 +129,8 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
     """Checks a client body for what the flow needs.
 
     Raises:
-        BadRequest: not a JSON object, or a field the flow reads has the
-            wrong type or is missing.
+        BadRequest: not a JSON object, a field the flow reads has the
+            wrong type or is missing, or ``structured_outputs`` is no object.
     """
     try:
         obj = _decode_json(raw)
@@ -158,6 +158,11 @@ def parse_request(raw: bytes, route: Route) -> ClientRequest:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required: a non-empty list", "messages")
+    constraints = obj.get("structured_outputs")
+    if constraints is not None and not isinstance(constraints, dict):
+        # vLLM 0.32 answers these with a 500 (its validator calls .get on
+        # them), after which the proxy would try another prefill.
+        raise BadRequest("'structured_outputs' must be an object", "structured_outputs")
     # A client must never aim a decode at a host of its choosing. vLLM takes
     # the params from vllm_xargs too when the body has none of its own.
     dropped = KV_PARAMS in obj

@@ -557,11 +557,28 @@ def test_scanner_verdict_does_not_depend_on_chunking(payload, size):
         (b'{"messages": []}', Route.CHAT, "'messages'"),
         (b'{"prompt": "x", "stream": "maybe"}', Route.COMPLETIONS, "'stream'"),
         (b'{"prompt": "x", "model": 3}', Route.COMPLETIONS, "'model'"),
+        (
+            b'{"prompt": "x", "structured_outputs": []}',
+            Route.COMPLETIONS,
+            "'structured_outputs'",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"structured_outputs": "json"}',
+            Route.CHAT,
+            "'structured_outputs'",
+        ),
     ],
 )
 def test_bodies_the_flow_cannot_use_are_bad_requests(raw, route, why):
     with pytest.raises(BadRequest, match=why):
         parse_request(raw, route)
+
+
+@pytest.mark.parametrize("value", [None, {"regex": "a"}, {}])
+def test_structured_outputs_that_are_an_object_or_null_are_left_to_vllm(value):
+    raw = msgspec.json.encode({"prompt": "x", "structured_outputs": value})
+    assert parse_request(raw, Route.COMPLETIONS).obj["structured_outputs"] == value
 
 
 _JSON_SCALARS = st.one_of(
