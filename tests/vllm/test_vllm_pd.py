@@ -392,6 +392,24 @@ async def test_the_proxy_refuses_before_the_prefill_what_the_decode_refuses(
     assert not differ, "\n".join(f"{name}: {why}" for name, why in differ.items())
 
 
+async def test_structured_outputs_vllm_fails_with_500_get_a_400_from_the_proxy(
+    http: aiohttp.ClientSession, servers: Servers, mode: str
+) -> None:
+    # vLLM's validator calls .get on them before their type is checked.
+    await use(servers, KVGUARD_PRODUCER, KVGUARD_CONSUMER)
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "structured_outputs": []}
+    url = f"{consumer_url(servers, mode)}/v1/completions"
+    status, answer = await post(http, url, body, f"structured-direct-{mode}")
+    assert (status, answer["error"]["type"]) == (500, "InternalServerError")
+    async with Changes(http, servers, mode) as change:
+        url = f"{proxy_url(servers, mode)}/v1/completions"
+        status, answer = await post(http, url, body, f"structured-{mode}")
+    assert status == 400
+    assert answer["error"]["param"] == "structured_outputs"
+    assert change.producer.get("vllm:prompt_tokens_total", 0) == 0
+    assert change.retries == 0
+
+
 async def test_a_non_stream_answer_assembled_from_batched_chunks_is_a_single_instances(
     http: aiohttp.ClientSession, servers: Servers, mode: str
 ) -> None:
