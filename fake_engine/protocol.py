@@ -1,6 +1,8 @@
 """vLLM's OpenAI-compatible request and response shapes, as far as the fake
 engine serves them: request models (pydantic, validated as vLLM validates
-them), response and stream chunk bodies, and vLLM's error JSON."""
+them) and response and stream chunk bodies. The base model and vLLM's error
+JSON are in ``openai_base``, the structured-output fields in
+``structured_outputs``."""
 
 from __future__ import annotations
 
