@@ -19,6 +19,10 @@ NO_CONSTRAINT = (
     "'disable_additional_properties': False, 'whitespace_pattern': None, "
     "'structural_tag': None, '_backend': None, '_backend_was_auto': False}"
 )
+TWO_CONSTRAINTS = (
+    "You can only use one kind of constraints for structured outputs "
+    "('json', 'regex' or 'choice')."
+)
 NONE_SPECIFIED = (
     "You must use one kind of structured outputs constraint but none are "
     f"specified: {NO_CONSTRAINT}"
@@ -128,8 +132,7 @@ REFUSALS = [
         {"structured_outputs": {"regex": "a", "choice": ["a"]}},
         "BadRequestError",
         "structured_outputs",
-        "You can only use one kind of constraints for structured outputs "
-        "('json', 'regex' or 'choice'). (parameter=structured_outputs)",
+        f"{TWO_CONSTRAINTS} (parameter=structured_outputs)",
         id="two-constraints",
     ),
     pytest.param(
@@ -137,8 +140,7 @@ REFUSALS = [
         {"structured_outputs": {"regex": "a", "choice": ["a"]}},
         "BadRequestError",
         None,
-        "You can only use one kind of constraints for structured outputs "
-        "('json', 'regex' or 'choice').",
+        TWO_CONSTRAINTS,
         id="two-constraints-chat",
     ),
     pytest.param(
