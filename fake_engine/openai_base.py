@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from engine_patch.log import get_logger
 
 logger = get_logger(__name__)
+
+_T = TypeVar("_T")
 
 
 class RequestError(ValueError):
@@ -197,6 +200,21 @@ def validation_error(exc: ValidationError) -> RequestError:
         message += f"\n  ...and {count - 10} more {label}"
     param = _clean_loc(tuple(errors[0]["loc"])) if errors else None
     return RequestError(message, param=param, err_type=VALIDATION_ERROR_TYPE)
+
+
+def validate_body(validate: Callable[..., _T], data: Any) -> _T:
+    """``data`` validated as FastAPI validates a vLLM request body, by
+    ``validate`` (a model's ``model_validate``, an adapter's
+    ``validate_python``): with ``from_attributes``, so that a list is "no
+    object to extract fields from".
+
+    Raises:
+        RequestError: vLLM's answer to a body that fails validation.
+    """
+    try:
+        return validate(data, from_attributes=True)
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 def json_error(position: int, reason: str) -> RequestError:

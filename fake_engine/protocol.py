@@ -20,7 +20,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
     model_validator,
 )
 
@@ -29,7 +28,7 @@ from fake_engine.model import TokenLogprob
 from fake_engine.openai_base import (
     OpenAIBaseModel,
     RequestError,
-    validation_error,
+    validate_body,
     vllm_validation_error,
 )
 from fake_engine.structured_outputs import (
@@ -284,12 +283,15 @@ class _GenerateRequest(OpenAIBaseModel):
     def check_constraint(self) -> None:
         """vLLM's check of the one output constraint a request's
         ``response_format`` and ``structured_outputs`` make together, as its
-        ``to_sampling_params`` builds it (after the prompt is rendered).
+        ``to_sampling_params`` builds it (after the prompt is rendered). A
+        beam search builds none: vLLM's ``to_beam_search_params`` reads
+        neither field.
 
         Raises:
             RequestError: vLLM's 400 when they make none or several.
         """
-        sampling_constraint(self.structured_outputs, self.response_format)
+        if not self.use_beam_search:
+            sampling_constraint(self.structured_outputs, self.response_format)
 
     @model_validator(mode="before")
     @classmethod
@@ -890,12 +892,7 @@ def parse_request(model: type[_Model], data: Any) -> _Model:
         RequestError: With vLLM's message and ``param`` for invalid bodies.
 
     """
-    try:
-        # As FastAPI validates a body: a list is "no object to extract
-        # fields from".
-        return model.model_validate(data, from_attributes=True)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return validate_body(model.model_validate, data)
 
 
 # --- Responses --------------------------------------------------------------

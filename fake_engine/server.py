@@ -224,8 +224,7 @@ class EngineServer:
                 )
                 for ids, from_text in self._completion_prompts(body)
             ]
-            if not body.use_beam_search:
-                body.check_constraint()
+            body.check_constraint()
         except RequestError as e:
             return error_response(e)
         if body.stream and body.use_beam_search:
@@ -287,8 +286,7 @@ class EngineServer:
             max_tokens = self._max_tokens(
                 len(prompt_ids), requested, body.min_tokens, from_text=True
             )
-            if not body.use_beam_search:
-                body.check_constraint()
+            body.check_constraint()
         except RequestError as e:
             return error_response(e)
         base = request.headers.get("X-Request-Id") or body.request_id

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
-from fake_engine.openai_base import OpenAIBaseModel, validation_error
+from fake_engine.openai_base import OpenAIBaseModel, validate_body
 from fake_engine.protocol import ChatMessage, ChatTool, check_generation_prompt
 from fake_engine.tokenizer import VOCAB_SIZE, decode
 
@@ -64,10 +64,7 @@ def parse_tokenize_request(data: Any) -> TokenizeRequest:
         RequestError: vLLM's 400, each member's errors listed, for a body
             neither member takes.
     """
-    try:
-        return _tokenize_request.validate_python(data, from_attributes=True)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return validate_body(_tokenize_request.validate_python, data)
 
 
 def tokenize_response(
