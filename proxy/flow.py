@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from proxy.config import ProxyConfig
     from proxy.state import ProxyState
 
+log = logging.getLogger("kvguard.proxy")
 attempt_log = logging.getLogger("kvguard.proxy.attempts")
 
 _MARKER_BYTES = INTEGRITY_MARKER.encode()
@@ -777,7 +778,25 @@ class Flow:
         except ValueError as exc:
             return self._answered("prefill_bad_reply", str(exc), prefill)
         st.health.note(prefill, ok=True)
+        if kv_params is None:
+            self._without_kv(prefill)
         return Prefilled(kv_params)
+
+    def _without_kv(self, prefill: Instance) -> None:
+        """Counts a prefill answered without ``kv_transfer_params``: its
+        decode prefills the prompt again. The first on an instance is
+        logged: one whose every prefill does so has no KV connector."""
+        self.state.metrics.prefills_without_kv.labels(prefill.url).inc()
+        prefill.prefills_without_kv += 1
+        if prefill.prefills_without_kv == 1:
+            log.warning(
+                "prefill %s answered without kv_transfer_params, so its decode "
+                "prefills the prompt again; an instance whose every prefill "
+                "does so runs without a KV connector as kv_producer or kv_both "
+                "(logged once per instance, each counted in "
+                "kvguard_proxy_prefills_without_kv_params_total)",
+                prefill.url,
+            )
 
     # ---------------------------------------------------------------- decode
 

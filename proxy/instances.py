@@ -37,6 +37,7 @@ class Instance:
         "healthy",
         "in_flight",
         "model",
+        "prefills_without_kv",
         "removed",
         "role",
         "rr_current",
@@ -79,6 +80,8 @@ class Instance:
         self.removed = False
         self.ejected_until = 0.0  # 0: not ejected; else cooldown end (monotonic)
         self.ejections = 0
+        # Prefills it answered without kv_transfer_params (a prefill only).
+        self.prefills_without_kv = 0
         self.rr_current = 0.0
         # The ``dns:`` entry (host:port) that found this instance; None if configured.
         self.discovered_by: str | None = None

@@ -209,6 +209,14 @@ class ProxyMetrics:
             ["role", "instance", "reason"],
             registry=r,
         )
+        self.prefills_without_kv = Counter(
+            "kvguard_proxy_prefills_without_kv_params",
+            "Prefills answered without kv_transfer_params, whose decodes "
+            "prefilled the prompt again: a prefill instance without a KV "
+            "connector, or a prompt too short to transfer",
+            ["instance"],
+            registry=r,
+        )
         self.ejections = Counter(
             "kvguard_proxy_ejections",
             "Ejections for KV integrity failures (kind: instance or pair)",
@@ -253,6 +261,10 @@ class ProxyMetrics:
         remove_series(
             self.integrity_failures, ("prefill", "decode"), lambda v: v[column] == url
         )
+        if role == "prefill":
+            remove_series(
+                self.prefills_without_kv, ("instance",), lambda v: v[0] == url
+            )
 
 
 def remove_series(

@@ -1171,6 +1171,39 @@ async def test_only_a_decode_that_loaded_the_prefills_kv_counts_as_a_clean_load(
     assert clean == [(p.url, d.url)]
 
 
+async def test_a_prefill_without_kv_transfer_params_is_counted_and_logged_once(
+    stubs, caplog, monkeypatch
+):
+    # A prefill instance without a KV connector answers 200 with no params:
+    # every decode then prefills again, which an operator must be able to see.
+    monkeypatch.setenv("ADM", "adm")
+    no_kv = await stubs(
+        prefill_reply=b'{"choices": [{"index": 0, "text": " x"}], '
+        b'"kv_transfer_params": null}'
+    )
+    p, d = await stubs(), await stubs()
+    config = make_config([no_kv.url, p.url], [d.url], auth={"admin_key_env": "ADM"})
+    caplog.set_level("WARNING", logger="kvguard.proxy")
+    async with running_proxy(config) as px:
+        for _ in range(6):  # round robin: three on each prefill
+            resp = await px.post("/v1/completions", COMPLETION)
+            assert resp.status == 200, await resp.text()
+        metrics = await px.metrics()
+        # The instance's series leaves with it.
+        status, _ = await admin(
+            px, "DELETE", "/admin/instances", json={"url": no_kv.url}
+        )
+        assert status == 200
+        after = await px.metrics()
+    name = "kvguard_proxy_prefills_without_kv_params_total"
+    assert metric(metrics, name, instance=no_kv.url) == 3
+    assert metric(metrics, name) == 3  # none for the prefill that sent params
+    assert metric(after, name) == 0 and name + "{" not in after
+    assert ["kv_transfer_params" in body for body in d.bodies()].count(False) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvguard.proxy"]
+    assert len([w for w in warnings if "without kv_transfer_params" in w]) == 1
+
+
 async def test_attempts_logging_off_logs_none_yet_keeps_integrity_failures(
     stubs, caplog
 ):
