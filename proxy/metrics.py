@@ -212,8 +212,8 @@ class ProxyMetrics:
         self.prefills_without_kv = Counter(
             "kvguard_proxy_prefills_without_kv_params",
             "Prefills answered without kv_transfer_params, whose decodes "
-            "prefilled the prompt again: a prefill instance without a KV "
-            "connector, or a prompt too short to transfer",
+            "prefilled the prompt again (a prefill instance without a KV "
+            "connector)",
             ["instance"],
             registry=r,
         )
