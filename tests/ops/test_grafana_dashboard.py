@@ -104,14 +104,17 @@ async def _scrape_after_traffic() -> dict[str, str]:
     specs = (
         EngineSpec(role=Role.PRODUCER),
         EngineSpec(role=Role.PRODUCER, fault=corrupting),
+        # Not a producer: its prefills come back without kv_transfer_params.
+        EngineSpec(role=Role.CONSUMER),
         EngineSpec(role=Role.CONSUMER, fail_closed=True),
     )
     async with fake_engines(*specs) as urls:
-        good, bad, decode = urls
+        good, bad, no_kv, decode = urls
+        prefills = [{"url": good}, {"url": bad}, {"url": no_kv}]
         config = {
             "models": {
                 "*": {
-                    "prefill": {"instances": [{"url": good}, {"url": bad}]},
+                    "prefill": {"instances": prefills},
                     "decode": {"instances": [{"url": decode}]},
                 }
             },
@@ -125,7 +128,7 @@ async def _scrape_after_traffic() -> dict[str, str]:
             assert all(status == 200 for status, _ in answers)
             texts = {}
             for role, url in zip(
-                ("proxy", "prefill", "bad prefill", "decode"),
+                ("proxy", "prefill", "bad prefill", "no-kv prefill", "decode"),
                 (proxy.url, *urls),
                 strict=True,
             ):
@@ -190,6 +193,8 @@ def test_the_dashboard_shows_what_operators_need():
         "by (reason)"
         in panel_using("kvguard_proxy_retries_total")["targets"][0]["expr"]
     )
+    without_kv = panel_using("kvguard_proxy_prefills_without_kv_params_total")
+    assert "by (exported_instance)" in without_kv["targets"][0]["expr"]
     for histogram in (
         "kvguard_proxy_ttft_seconds_bucket",
         "kvguard_proxy_inter_token_seconds_bucket",
