@@ -38,7 +38,7 @@ def _promtool(*args: str) -> str:
 
 
 def test_rules_pass_promtool_check():
-    assert "SUCCESS: 9 rules found" in _promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 10 rules found" in _promtool("check", "rules", str(RULES))
 
 
 def test_rules_pass_their_promtool_unit_tests():
@@ -65,6 +65,7 @@ def test_every_alert_has_a_unit_test():
         "KVGuardNoUsablePrefillDecodePair",
         "KVGuardDecodeTTFTHigh",
         "KVGuardPrefillWithoutKVParams",
+        "KVGuardConsumerWithoutKVGuard",
     } <= alerts
 
 
