@@ -22,11 +22,16 @@ import asyncio
 import base64
 import json
 import os
+import re
+import shutil
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_client import (
     MODEL_NAME,
     complete,
@@ -38,7 +43,7 @@ from vllm_client import (
     stream_text,
     text_of,
 )
-from vllm_servers import EngineSpec, Servers, busy_threads
+from vllm_servers import WORK_DIR, EngineSpec, Servers, busy_threads
 
 from engine_patch.aot_kernel import LOADED_FOR_A_SHAPE
 from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
@@ -58,7 +63,10 @@ MODES = {"scheduler-class": True, "connector-only": False}
 KVGUARD_PRODUCER = EngineSpec("producer")
 # Fail-closed, policy "fail", eager checksums (the default).
 KVGUARD_CONSUMER = EngineSpec("consumer")
-PLAIN_PRODUCER = EngineSpec("producer", connector="nixl")
+# Plain NIXL, kv_both as llm-d runs every instance: it can load KV too, which
+# makes it the consumer without KVGuard that KVGuardConsumerWithoutKVGuard
+# must name.
+PLAIN_PRODUCER = EngineSpec("producer", connector="nixl", kv_both=True)
 
 PROMPTS = prompts(12)
 # Requests per corrupted-load stage.
@@ -67,6 +75,7 @@ MAX_TOKENS = 12
 NO_CHECKSUMS = "the producer sent no checksums"
 FLIPPED = "Fault injection: flipped a bit"
 INTEGRITY_RETRIES = "kvguard_proxy_retries_total{reason=kv_integrity}"
+RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "kvguard-rules.yaml"
 
 # The single-instance answers, by prompt: computed once, locally on the
 # producer (a plain request prefills and decodes on one instance).
@@ -237,6 +246,90 @@ async def test_loads_from_a_producer_without_kvguard_are_unverified_and_fail(
     assert change.consumer.get(reason) == 3
     assert change.consumer_count("load_failures") == 3
     assert change.consumer_count("checksum_verified") == 0
+
+
+def _alert_expr(name: str) -> str:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return next(
+        str(rule["expr"])
+        for group in groups
+        for rule in group["rules"]
+        if rule.get("alert") == name
+    )
+
+
+def _series(name: str, labels: dict[str, str]) -> str:
+    """A sample in promtool's series notation (label values JSON-quoted)."""
+    return (
+        name + "{" + ",".join(f"{k}={json.dumps(v)}" for k, v in labels.items()) + "}"
+    )
+
+
+async def test_the_alert_on_consumers_without_kvguard_names_only_plain_nixl(
+    http: aiohttp.ClientSession, servers: Servers
+) -> None:
+    """KVGuardConsumerWithoutKVGuard's expression over these engines' real
+    /metrics, evaluated by promtool: the plain NIXL kv_both instance is named,
+    KVGuard's consumers are not."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found: apt-get install prometheus (.ci/run does)")
+    await use(servers, PLAIN_PRODUCER, KVGUARD_CONSUMER)
+    expr = _alert_expr("KVGuardConsumerWithoutKVGuard")
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
+    input_series = []
+    used: dict[str, set[str]] = {}
+    for name in ["producer", *(f"consumer-{m}" for m in MODES)]:
+        async with http.get(f"{servers.engine(name).url}/metrics") as response:
+            text = await response.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in names:
+                    continue
+                used.setdefault(name, set()).add(sample.name)
+                labels = {**sample.labels, "job": "vllm", "instance": name}
+                input_series.append(
+                    {
+                        "series": _series(sample.name, labels),
+                        "values": f"{sample.value}x5",
+                    }
+                )
+    # Both families the rule reads come from real vLLM on KVGuard's consumers.
+    assert used["consumer-scheduler-class"] == {
+        "vllm:num_requests_kv_fetch_by_stage",
+        "kvguard_kv_checksum_verified_total",
+    }
+    assert used["producer"] == {"vllm:num_requests_kv_fetch_by_stage"}
+    tests = {
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": input_series,
+                "promql_expr_test": [
+                    {
+                        "expr": expr,
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": '{job="vllm",instance="producer"}', "value": 1}
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    path = WORK_DIR / "consumer-alert.test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    process = await asyncio.create_subprocess_exec(
+        promtool,
+        "test",
+        "rules",
+        str(path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, output.decode()
 
 
 async def test_no_thread_of_an_idle_instance_keeps_a_core_at_normal_priority(
