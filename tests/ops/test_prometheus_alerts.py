@@ -1,6 +1,7 @@
 """deploy/prometheus: the alerting rules pass ``promtool check rules`` and their
 unit tests, and a real Prometheus scraping the proxy and fake engines fires
-the integrity alert while a faulty prefill corrupts KV loads."""
+the integrity alerts, the proxy's and the decode's own, while a faulty
+prefill corrupts KV loads."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _promtool(*args: str) -> str:
 
 
 def test_rules_pass_promtool_check():
-    assert "SUCCESS: 10 rules found" in _promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 11 rules found" in _promtool("check", "rules", str(RULES))
 
 
 def test_rules_pass_their_promtool_unit_tests():
@@ -66,6 +67,7 @@ def test_every_alert_has_a_unit_test():
         "KVGuardDecodeTTFTHigh",
         "KVGuardPrefillWithoutKVParams",
         "KVGuardConsumerWithoutKVGuard",
+        "KVGuardKVChecksumMismatch",
     } <= alerts
 
 
@@ -121,6 +123,15 @@ async def _api(http: aiohttp.ClientSession, url: str) -> Any:
         body = await resp.json()
         assert body["status"] == "success", body
         return body["data"]
+
+
+# What a faulty prefill behind the proxy fires: the proxy's pair alert and
+# ejection, and the decode's own count of mismatching loads.
+EXPECTED_FIRING = (
+    "KVGuardKVIntegrityFailure",
+    "KVGuardInstanceEjected",
+    "KVGuardKVChecksumMismatch",
+)
 
 
 async def test_integrity_alert_fires_in_a_real_prometheus(capsys):
@@ -187,13 +198,11 @@ async def test_integrity_alert_fires_in_a_real_prometheus(capsys):
                         a
                         for a in data["alerts"]
                         if a["state"] == "firing"
-                        and a["labels"]["alertname"]
-                        in ("KVGuardKVIntegrityFailure", "KVGuardInstanceEjected")
+                        and a["labels"]["alertname"] in EXPECTED_FIRING
                     ]
-                    return {a["labels"]["alertname"] for a in firing} == {
-                        "KVGuardKVIntegrityFailure",
-                        "KVGuardInstanceEjected",
-                    }
+                    return {a["labels"]["alertname"] for a in firing} == set(
+                        EXPECTED_FIRING
+                    )
 
                 await eventually(alert_fires, "the integrity alert firing", 60, 0.25)
             finally:
@@ -209,6 +218,12 @@ async def test_integrity_alert_fires_in_a_real_prometheus(capsys):
         a for a in firing if a["labels"]["alertname"] == "KVGuardInstanceEjected"
     )
     assert ejected["labels"]["exported_instance"] == bad
+    mismatch = next(
+        a for a in firing if a["labels"]["alertname"] == "KVGuardKVChecksumMismatch"
+    )
+    # The engines' own count: the decode that loaded the corrupted KV.
+    assert mismatch["labels"]["instance"] == decode.removeprefix("http://")
+    assert mismatch["labels"]["severity"] == "critical"
     with capsys.disabled():
         print("\nPrometheus /api/v1/alerts (firing):")
         print(json.dumps(firing, indent=1))
