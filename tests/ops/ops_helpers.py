@@ -27,16 +27,9 @@ import pytest
 
 from tests.support import REPO
 from tests.support.ports import free_port
+from tests.support.programs import need
 
 DEPLOY = REPO / "deploy"
-
-
-def need(program: str, package: str) -> str:
-    """The path of ``program``, or skip: ``apt-get install PACKAGE`` brings it."""
-    path = shutil.which(program)
-    if path is None:
-        pytest.skip(f"{program} not found: apt-get install {package} (.ci/run does)")
-    return path
 
 
 async def eventually(

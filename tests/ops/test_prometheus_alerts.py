@@ -16,40 +16,25 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from ops_helpers import DEPLOY, complete, eventually, need
+from ops_helpers import complete, eventually, need
 
 from proxy.testing import running_proxy
 from tests.support.ports import free_port
-
-RULES = DEPLOY / "prometheus" / "kvguard-rules.yaml"
-RULE_TESTS = DEPLOY / "prometheus" / "kvguard-rules.test.yaml"
-
-
-def _promtool(*args: str) -> str:
-    done = subprocess.run(
-        [need("promtool", "prometheus"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    return output
+from tests.support.programs import ALERT_RULE_TESTS, ALERT_RULES, promtool
 
 
 def test_rules_pass_promtool_check():
-    assert "SUCCESS: 11 rules found" in _promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 11 rules found" in promtool("check", "rules", str(ALERT_RULES))
 
 
 def test_rules_pass_their_promtool_unit_tests():
-    assert "SUCCESS" in _promtool("test", "rules", str(RULE_TESTS))
+    assert "SUCCESS" in promtool("test", "rules", str(ALERT_RULE_TESTS))
 
 
 def test_every_alert_has_a_unit_test():
-    rules = yaml.safe_load(RULES.read_text())
+    rules = yaml.safe_load(ALERT_RULES.read_text())
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    tests = yaml.safe_load(RULE_TESTS.read_text())
+    tests = yaml.safe_load(ALERT_RULE_TESTS.read_text())
     firing = {
         case["alertname"]
         for test in tests["tests"]
@@ -81,7 +66,7 @@ class _Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
+            "rule_files": [str(ALERT_RULES)],
             "scrape_configs": [
                 {
                     "job_name": job,

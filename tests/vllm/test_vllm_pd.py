@@ -23,9 +23,7 @@ import base64
 import json
 import os
 import re
-import shutil
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -49,6 +47,7 @@ from engine_patch.aot_kernel import LOADED_FOR_A_SHAPE
 from engine_patch.checksum_kernel import COMPILED_FOR_A_SHAPE
 from engine_patch.payload import KVChecksumPayload
 from proxy.body import PREFILL_KV_PARAMS
+from tests.support.programs import ALERT_RULES, need, promtool
 from tests.support.shapes import shape, sse_data
 
 pytestmark = [
@@ -75,7 +74,6 @@ MAX_TOKENS = 12
 NO_CHECKSUMS = "the producer sent no checksums"
 FLIPPED = "Fault injection: flipped a bit"
 INTEGRITY_RETRIES = "kvguard_proxy_retries_total{reason=kv_integrity}"
-RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "kvguard-rules.yaml"
 
 # The single-instance answers, by prompt: computed once, locally on the
 # producer (a plain request prefills and decodes on one instance).
@@ -249,7 +247,7 @@ async def test_loads_from_a_producer_without_kvguard_are_unverified_and_fail(
 
 
 def _alert_expr(name: str) -> str:
-    groups = yaml.safe_load(RULES.read_text())["groups"]
+    groups = yaml.safe_load(ALERT_RULES.read_text())["groups"]
     return next(
         str(rule["expr"])
         for group in groups
@@ -271,9 +269,7 @@ async def test_the_alert_on_consumers_without_kvguard_names_only_plain_nixl(
     """KVGuardConsumerWithoutKVGuard's expression over these engines' real
     /metrics, evaluated by promtool: the plain NIXL kv_both instance is named,
     KVGuard's consumers are not."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not found: apt-get install prometheus (.ci/run does)")
+    need("promtool", "prometheus")
     await use(servers, PLAIN_PRODUCER, KVGUARD_CONSUMER)
     expr = _alert_expr("KVGuardConsumerWithoutKVGuard")
     names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
@@ -320,16 +316,7 @@ async def test_the_alert_on_consumers_without_kvguard_names_only_plain_nixl(
     }
     path = WORK_DIR / "consumer-alert.test.yaml"
     path.write_text(yaml.safe_dump(tests))
-    process = await asyncio.create_subprocess_exec(
-        promtool,
-        "test",
-        "rules",
-        str(path),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await asyncio.wait_for(process.communicate(), 120)
-    assert process.returncode == 0, output.decode()
+    await asyncio.to_thread(promtool, "test", "rules", str(path))
 
 
 async def test_no_thread_of_an_idle_instance_keeps_a_core_at_normal_priority(
